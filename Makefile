@@ -1,0 +1,38 @@
+# Everything creates .venv itself: `make demo` and `make test` are all a fresh machine needs.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# The CPU build of torch: pip finds the local CPU wheel on our machines. Elsewhere pass
+# TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu" to keep CUDA wheels off CPU hosts.
+TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?=
+
+.PHONY: install test demo bench lint typecheck clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q
+
+demo: install
+	$(PY) examples/parameter_server.py
+
+bench: install
+	$(PY) benchmarks/bench_rpc.py
+
+lint: install
+	$(VENV)/bin/ruff check asyncrpc tests examples benchmarks
+	$(VENV)/bin/ruff format --check asyncrpc tests examples benchmarks
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

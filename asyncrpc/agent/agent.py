@@ -1,0 +1,541 @@
+"""The per-worker RPC agent: peers, pending calls, deadlines, dispatch, shutdown.
+
+Theory of operation
+-------------------
+A worker listens on every transport it offers and dials a peer on first use.
+Links are one-way for calls: requests go out on links we dialed and come in on
+links peers dialed; each request's reply returns on the link it came in on.  So
+two workers that call each other hold two links, and no tie-break is needed.
+
+Outgoing: ``rpc_async`` serialises at once (a bad argument raises right there),
+records a :class:`PendingCall` with a deadline timer, and writes the request
+(or queues it behind the dial).  The call ends exactly once: by its reply, by
+its deadline (``RPCTimeoutError``, and a CANCEL to the callee), or by the loss
+of its link (``PeerLostError`` at once, naming the peer).
+
+Incoming: see :mod:`asyncrpc.agent.dispatch` for where a function runs.  Under
+a backlog of running calls a link stops reading until the backlog halves.
+
+Shutdown (graceful): wait for our own calls to finish, tell every peer
+SHUTDOWN, and wait until every peer has either said SHUTDOWN too or is known
+dead; keep serving meanwhile.  Then close.  Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import itertools
+import logging
+import os
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from asyncrpc.agent.dispatch import (
+    function_name,
+    is_async_execution,
+    pack_error,
+    runs_on_loop,
+    unpack_error,
+)
+from asyncrpc.agent.worker import WorkerAddress, WorkerInfo
+from asyncrpc.errors import (
+    AgentStateError,
+    PeerLostError,
+    RPCTimeoutError,
+    SerializationError,
+    UnknownWorkerError,
+)
+from asyncrpc.serde import allocate_tensor_storage, dumps, loads
+from asyncrpc.transport import Link, SegmentPool, dial, host_identity, listen
+from asyncrpc.wire import DEFAULT_MAX_FRAME_SIZE, Frame, Handshake, Identity, Kind, Role
+
+log = logging.getLogger("asyncrpc.agent")
+_current: contextvars.ContextVar[RpcAgent] = contextvars.ContextVar("asyncrpc_agent")
+
+
+@dataclass(frozen=True, slots=True)
+class AgentOptions:
+    """Tunables of one agent (see ``init_rpc`` for their meaning)."""
+
+    rpc_timeout: float = 60.0
+    num_worker_threads: int = 16
+    transports: tuple[str, ...] = ("unix", "tcp")
+    listen_host: str = "127.0.0.1"
+    shared_memory: bool = True
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    connect_timeout: float = 30.0
+    max_running_per_link: int = 4096
+
+
+@dataclass(slots=True)
+class PendingCall:
+    future: asyncio.Future[Any]
+    peer: str
+    function: str
+    timeout: float
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(slots=True)
+class _Inbound:
+    """Book-keeping of the calls running for one incoming link."""
+
+    running: dict[int, asyncio.Future[Any] | None] = field(default_factory=dict)
+    paused: bool = False
+
+
+class RpcAgent:
+    """One worker's agent.  Create, ``await start()``, ``join(workers)``, use, ``shutdown``."""
+
+    def __init__(self, name: str, rank: int, secret: bytes, options: AgentOptions) -> None:
+        self.options = options
+        self.info = WorkerInfo(rank, name)
+        self.identity = Identity(name, rank, os.getpid(), host_identity())
+        self.address = WorkerAddress(name, rank, self.identity.host)
+        self._secret = secret
+        self._loop = asyncio.get_running_loop()
+        self._context = contextvars.copy_context()
+        self._context.run(_current.set, self)
+        self._executor = ThreadPoolExecutor(options.num_worker_threads, f"asyncrpc-{name}")
+        self._segments = SegmentPool() if options.shared_memory else None
+        self._workers: dict[str, WorkerAddress] = {}
+        self._by_rank: dict[int, WorkerAddress] = {}
+        self._servers: list[asyncio.AbstractServer] = []
+        self._links: dict[str, Link] = {}  # outgoing, by peer name
+        self._dials: dict[str, asyncio.Future[Link]] = {}
+        self._inbound: dict[Link, _Inbound] = {}
+        self._pending: dict[int, PendingCall] = {}
+        self._ids = itertools.count(1)
+        self._tasks: set[asyncio.Future[Any]] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._peers_done: set[str] = set()
+        self._dead: set[str] = set()
+        self._barrier_changed = asyncio.Event()
+        self.state = "new"
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    async def start(self) -> WorkerAddress:
+        """Listen on every configured transport; returns the address to publish."""
+        addresses = {}
+        for scheme in self.options.transports:
+            target = (
+                f"unix://@asyncrpc-{self.identity.pid}-{id(self):x}"
+                if scheme == "unix"
+                else f"tcp://{self.options.listen_host}:0"
+            )
+            server, bound = await listen(target, self._inbound_link)
+            self._servers.append(server)
+            addresses[scheme] = bound
+        self.address = WorkerAddress(self.info.name, self.info.id, self.identity.host, addresses)
+        self.state = "listening"
+        return self.address
+
+    def join(self, workers: list[WorkerAddress]) -> None:
+        """Learn every worker of the job (from rendezvous); calls may start."""
+        self._workers = {w.name: w for w in workers}
+        self._by_rank = {w.rank: w for w in workers}
+        self.state = "running"
+
+    async def shutdown(self, graceful: bool = True, timeout: float | None = None) -> None:
+        """Leave the job; graceful waits for our calls and for every live peer (bounded)."""
+        if self.state in ("closing", "closed"):
+            return
+        bound = self.options.rpc_timeout if timeout is None else timeout
+        try:
+            if graceful and self.state == "running":
+                async with asyncio.timeout(bound):
+                    await self._idle.wait()
+                    await self._barrier()
+        except TimeoutError:
+            waiting = sorted(set(self._workers) - self._peers_done - self._dead - {self.info.name})
+            raise RPCTimeoutError(
+                f"shutdown of {self.info.name!r} timed out after {bound}s; "
+                f"pending calls: {len(self._pending)}, workers not done: {waiting}"
+            ) from None
+        finally:
+            await self._close()
+
+    async def _barrier(self) -> None:
+        self.state = "draining"
+        others = [name for name in self._workers if name != self.info.name]
+        await asyncio.gather(*(self._announce_shutdown(name) for name in others))
+        while not set(others) <= self._peers_done | self._dead:
+            self._barrier_changed.clear()
+            await self._barrier_changed.wait()
+
+    async def _announce_shutdown(self, name: str) -> None:
+        if name in self._dead:
+            return
+        try:
+            link = await self._connect(name)
+        except (PeerLostError, TimeoutError):
+            self._mark_dead(name)
+            return
+        link.send(Kind.SHUTDOWN, {"rank": self.info.id})
+
+    async def _close(self) -> None:
+        self.state = "closing"
+        for server in self._servers:
+            server.close()
+        closed = AgentStateError(f"worker {self.info.name!r} shut down")
+        for call_id in list(self._pending):
+            self._finish(call_id, error=closed)
+        for task in list(self._tasks):
+            task.cancel()
+        for link in [*self._links.values(), *self._inbound]:
+            link.close()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._segments is not None:
+            self._segments.close()
+        self.state = "closed"
+
+    # -- outgoing calls ------------------------------------------------------------
+
+    def resolve(self, to: str | int | WorkerInfo) -> WorkerAddress:
+        """The worker named by a name, a rank or a WorkerInfo; raises UnknownWorkerError."""
+        key = to.name if isinstance(to, WorkerInfo) else to
+        found = self._by_rank.get(key) if isinstance(key, int) else self._workers.get(key)
+        if found is None:
+            known = ", ".join(sorted(self._workers)) or "none yet"
+            raise UnknownWorkerError(f"unknown worker {to!r} (known workers: {known})", worker=to)
+        return found
+
+    def rpc_async(
+        self,
+        to: str | int | WorkerInfo,
+        func: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> asyncio.Future[Any]:
+        """Start a call; returns a future for its result.  Must run on the loop thread."""
+        self._check_usable()
+        peer = self.resolve(to).name
+        name = function_name(func)
+        payload, buffers = dumps((func, args, kwargs or {}))
+        call_id = next(self._ids)
+        call = PendingCall(self._loop.create_future(), peer, name,
+                           self.options.rpc_timeout if timeout is None else timeout)
+        if call.timeout > 0:
+            call.timer = self._loop.call_later(call.timeout, self._expire, call_id)
+        self._pending[call_id] = call
+        self._idle.clear()
+        meta = {"i": call_id, "f": name}
+        link = self._links.get(peer)
+        if link is not None:
+            link.send(Kind.REQUEST, meta, payload, buffers)
+        else:
+            self._spawn(self._send_after_dial(peer, call_id, meta, payload, buffers))
+        return call.future
+
+    async def _send_after_dial(
+        self, peer: str, call_id: int, meta: dict[str, Any], payload: bytes,
+        buffers: list[memoryview],
+    ) -> None:
+        try:
+            link = await self._connect(peer)
+        except Exception as exc:
+            self._finish(call_id, error=exc)
+            return
+        if call_id in self._pending:
+            link.send(Kind.REQUEST, meta, payload, buffers)
+
+    async def _connect(self, peer: str) -> Link:
+        link = self._links.get(peer)
+        if link is not None:
+            return link
+        if peer not in self._dials:
+            dialing = self._spawn(self._dial(peer))
+            self._dials[peer] = dialing
+            dialing.add_done_callback(lambda _: self._dials.pop(peer, None))
+        return await asyncio.shield(self._dials[peer])
+
+    async def _dial(self, peer: str) -> Link:
+        target = self._workers[peer]
+        address = self._choose_address(target)
+        try:
+            async with asyncio.timeout(self.options.connect_timeout):
+                link = await dial(address, lambda: self._new_link(Role.DIALER), worker=peer)
+                await link.ready
+        except TimeoutError:
+            raise PeerLostError(f"timed out connecting to worker {peer!r} at {address}",
+                                worker=peer) from None
+        if link.peer.name != peer:
+            link.abort(PeerLostError(f"{address} is {link.peer.name!r}, not {peer!r}"))
+            raise PeerLostError(f"worker {peer!r} is not at {address}", worker=peer)
+        self._links[peer] = link
+        return link
+
+    def _choose_address(self, target: WorkerAddress) -> str:
+        same_host = target.host == self.identity.host
+        for scheme in self.options.transports:
+            if scheme in target.addresses and (scheme != "unix" or same_host):
+                return target.addresses[scheme]
+        raise PeerLostError(f"no common transport with worker {target.name!r}",
+                            worker=target.name)
+
+    def _expire(self, call_id: int) -> None:
+        call = self._pending.get(call_id)
+        if call is None:
+            return
+        link = self._links.get(call.peer)
+        if link is not None:
+            link.send(Kind.CANCEL, {"i": call_id})
+        self._finish(call_id, error=RPCTimeoutError(
+            f"call to {call.function} on worker {call.peer!r} timed out after {call.timeout}s",
+            worker=call.peer, function=call.function,
+        ))
+
+    def _finish(self, call_id: int, *, result: Any = None,
+                error: BaseException | None = None) -> None:
+        call = self._pending.pop(call_id, None)
+        if call is None:
+            return
+        if call.timer is not None:
+            call.timer.cancel()
+        if not call.future.done():
+            if error is None:
+                call.future.set_result(result)
+            else:
+                call.future.set_exception(error)
+        if not self._pending:
+            self._idle.set()
+
+    def _on_reply(self, link: Link, frame: Frame) -> None:
+        call_id = frame.meta.get("i")
+        call = self._pending.get(call_id) if isinstance(call_id, int) else None
+        if call is None or call.peer != link.peer.name:
+            return  # a late reply to a call that already timed out
+        try:
+            if frame.kind == Kind.RESPONSE:
+                self._finish(call_id, result=loads(frame.payload, frame.buffers))
+            else:
+                self._finish(call_id, error=unpack_error(frame.payload, frame.buffers))
+        except SerializationError as exc:
+            self._finish(call_id, error=SerializationError(
+                f"reply of {call.function} from worker {call.peer!r}: {exc}",
+                worker=call.peer, function=call.function))
+
+    # -- incoming calls ------------------------------------------------------------
+
+    def _on_request(self, link: Link, frame: Frame) -> None:
+        call_id = frame.meta.get("i")
+        name = str(frame.meta.get("f", "?"))
+        if not isinstance(call_id, int):
+            link.abort(PeerLostError(f"request without a call id from {link.peer.name!r}"))
+            return
+        try:
+            func, args, kwargs = loads(frame.payload, frame.buffers)
+        except Exception as exc:
+            failure = SerializationError(
+                f"worker {self.info.name!r} cannot run {name}: {exc}",
+                worker=self.info.name, function=name)
+            self._reply_error(link, call_id, name, failure)
+            return
+        inbound = self._inbound[link]
+        if is_async_execution(func):
+            self._start_async_execution(link, call_id, name, func, args, kwargs)
+        elif runs_on_loop(func):
+            task = self._loop.create_task(func(*args, **kwargs), context=self._context.copy())
+            inbound.running[call_id] = task
+            task.add_done_callback(lambda t: self._reply_future(link, call_id, name, t))
+        else:
+            job = self._loop.run_in_executor(
+                self._executor, self._context.copy().run, self._run_in_thread,
+                link, call_id, func, args, kwargs)
+            inbound.running[call_id] = None
+            job.add_done_callback(lambda j: self._reply_parts(link, call_id, name, j))
+        self._apply_backpressure(link, inbound)
+
+    def _run_in_thread(self, link: Link, call_id: int, func: Callable[..., Any],
+                       args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:
+        """Run a plain function in a pool thread, and serialise its reply there too."""
+        try:
+            result = func(*args, **kwargs)
+            return True, link.encode(Kind.RESPONSE, {"i": call_id}, *dumps(result))
+        except BaseException as exc:
+            return False, exc
+
+    def _reply_parts(self, link: Link, call_id: int, name: str,
+                     job: asyncio.Future[tuple[bool, Any]]) -> None:
+        if self._retire(link, call_id) and not job.cancelled():
+            ok, value = job.result()
+            if ok:
+                link.write(value)
+            else:
+                self._reply_error(link, call_id, name, value)
+
+    def _start_async_execution(self, link: Link, call_id: int, name: str,
+                               func: Callable[..., Any], args: tuple[Any, ...],
+                               kwargs: dict[str, Any]) -> None:
+        inbound = self._inbound[link]
+        try:
+            awaitable = self._context.copy().run(func, *args, **kwargs)
+            future = self._as_future(awaitable, name)
+        except BaseException as exc:
+            self._reply_error(link, call_id, name, exc)
+            return
+        inbound.running[call_id] = future
+        future.add_done_callback(lambda f: self._reply_future(link, call_id, name, f))
+
+    def _as_future(self, awaitable: Any, name: str) -> asyncio.Future[Any]:
+        if isinstance(awaitable, torch.futures.Future):
+            future = self._loop.create_future()
+            awaitable.add_done_callback(
+                lambda f: self._loop.call_soon_threadsafe(_copy_torch_future, f, future))
+            return future
+        if isinstance(awaitable, Coroutine):
+            return self._loop.create_task(awaitable, context=self._context.copy())
+        if asyncio.isfuture(awaitable):
+            return awaitable
+        raise TypeError(f"async_execution function {name} returned {type(awaitable).__name__}, "
+                        "not an awaitable (asyncio future, coroutine or torch Future)")
+
+    def _reply_future(self, link: Link, call_id: int, name: str,
+                      future: asyncio.Future[Any]) -> None:
+        if not self._retire(link, call_id) or future.cancelled():
+            return
+        error = future.exception()
+        if error is not None:
+            self._reply_error(link, call_id, name, error)
+            return
+        try:
+            link.send(Kind.RESPONSE, {"i": call_id}, *dumps(future.result()))
+        except Exception as exc:
+            self._reply_error(link, call_id, name, exc)
+
+    def _reply_error(self, link: Link, call_id: int, name: str, exc: BaseException) -> None:
+        if not link.closed:
+            link.send(Kind.ERROR, {"i": call_id}, *pack_error(exc, self.info.name, name))
+
+    def _retire(self, link: Link, call_id: int) -> bool:
+        """Forget a finished incoming call; False if its link is gone."""
+        inbound = self._inbound.get(link)
+        if inbound is None:
+            return False
+        inbound.running.pop(call_id, None)
+        self._apply_backpressure(link, inbound)
+        return not link.closed
+
+    def _apply_backpressure(self, link: Link, inbound: _Inbound) -> None:
+        limit = self.options.max_running_per_link
+        if not inbound.paused and len(inbound.running) >= limit:
+            inbound.paused = True
+            link.pause_reading()
+        elif inbound.paused and len(inbound.running) <= limit // 2:
+            inbound.paused = False
+            link.resume_reading()
+
+    def _on_cancel(self, link: Link, frame: Frame) -> None:
+        inbound = self._inbound.get(link)
+        future = inbound.running.get(frame.meta.get("i", -1)) if inbound else None
+        if future is not None:
+            future.cancel()
+
+    # -- link events ---------------------------------------------------------------
+
+    def _new_link(self, role: Role) -> Link:
+        handshake = Handshake(role, self._secret, self.identity)
+        return Link(self, handshake, allocate=allocate_tensor_storage,
+                    max_frame_size=self.options.max_frame_size, segments=self._segments)
+
+    def _inbound_link(self) -> Link:
+        return self._new_link(Role.LISTENER)
+
+    def link_established(self, link: Link) -> None:
+        if link.handshake.role is Role.LISTENER:
+            self._inbound[link] = _Inbound()
+
+    def frame_received(self, link: Link, frame: Frame) -> None:
+        kind = frame.kind
+        if kind == Kind.REQUEST:
+            self._on_request(link, frame)
+        elif kind in (Kind.RESPONSE, Kind.ERROR):
+            self._on_reply(link, frame)
+        elif kind == Kind.CANCEL:
+            self._on_cancel(link, frame)
+        elif kind == Kind.SHUTDOWN:
+            self._peers_done.add(link.peer.name)
+            self._barrier_changed.set()
+
+    def link_lost(self, link: Link, exc: BaseException) -> None:
+        inbound = self._inbound.pop(link, None)
+        for future in (inbound.running.values() if inbound else ()):
+            if future is not None:
+                future.cancel()
+        peer = link.handshake.peer
+        if peer is None or self._links.get(peer.name) is not link:
+            return
+        del self._links[peer.name]
+        self._mark_dead(peer.name)
+        lost = PeerLostError(f"lost connection to worker {peer.name!r}: {exc}", worker=peer.name)
+        lost.__cause__ = exc
+        for call_id, call in list(self._pending.items()):
+            if call.peer == peer.name:
+                self._finish(call_id, error=lost)
+
+    def _mark_dead(self, name: str) -> None:
+        if name not in self._peers_done and self.state in ("draining", "running"):
+            self._dead.add(name)
+            self._barrier_changed.set()
+
+    # -- introspection and helpers -------------------------------------------------
+
+    def debug_info(self) -> dict[str, Any]:
+        """Pending outgoing calls, running incoming calls, connected peers and more."""
+        peers = {link.peer.name for link in self._inbound} | set(self._links)
+        return {
+            "worker": self.info.name,
+            "rank": self.info.id,
+            "state": self.state,
+            "pending_outgoing_calls": len(self._pending),
+            "running_incoming_calls": sum(len(i.running) for i in self._inbound.values()),
+            "connected_peers": sorted(peers),
+            "dead_peers": sorted(self._dead),
+            "shared_memory": self._segments.stats if self._segments else None,
+        }
+
+    def _check_usable(self) -> None:
+        if self.state not in ("running", "draining"):
+            raise AgentStateError(f"RPC agent of {self.info.name!r} is {self.state}")
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = self._loop.create_task(coro, context=self._context.copy())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+
+_default: RpcAgent | None = None
+
+
+def current_agent() -> RpcAgent | None:
+    """The agent serving the running call, else this process's default agent."""
+    return _current.get(_default)
+
+
+def set_default_agent(agent: RpcAgent | None) -> None:
+    """Make ``agent`` what :func:`current_agent` returns outside of calls."""
+    global _default
+    _default = agent
+
+
+def _copy_torch_future(source: torch.futures.Future[Any], target: asyncio.Future[Any]) -> None:
+    if target.done():
+        return
+    try:
+        target.set_result(source.value())
+    except BaseException as exc:
+        target.set_exception(exc)

@@ -1,0 +1,92 @@
+"""How an incoming call runs, and how its outcome becomes a reply.
+
+Theory of operation
+-------------------
+The function decides where it runs:
+
+* ``async def`` functions run as tasks on the worker's event loop;
+* functions marked :func:`async_execution` run on the loop and return an
+  awaitable (an asyncio future, a coroutine, or a ``torch.futures.Future``);
+  the reply leaves when it completes, and no thread is held meanwhile;
+* every other callable runs in the worker's thread pool, so torch compute
+  never blocks the loop.  Its result is also serialised in that thread.
+
+An outcome is packed as RESPONSE (the pickled result) or ERROR (the pickled
+exception, the worker, the function and the remote traceback text).  An
+exception that does not survive a pickle round trip travels as
+:class:`RemoteError` with its type name and message, so a reply is never lost.
+"""
+
+from __future__ import annotations
+
+import inspect
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from asyncrpc.errors import RemoteError
+from asyncrpc.serde import dumps, loads
+
+F = TypeVar("F", bound=Callable[..., Any])
+_MARK = "_asyncrpc_async_execution"
+
+
+def async_execution(fn: F) -> F:
+    """Mark ``fn`` as returning an awaitable whose result is the RPC's reply.
+
+    The function runs on the callee's event loop and must not block; it returns
+    an ``asyncio.Future``, a coroutine or a ``torch.futures.Future``.  The reply
+    is sent when that completes, so thousands of calls can wait (for a batch to
+    fill, say) without holding a thread.  Put it innermost under
+    ``@staticmethod``/``@classmethod``, as in torch.distributed.rpc.
+    """
+    setattr(fn, _MARK, True)
+    return fn
+
+
+def is_async_execution(fn: Any) -> bool:
+    return bool(getattr(fn, _MARK, False))
+
+
+def runs_on_loop(fn: Any) -> bool:
+    """Whether ``fn`` runs on the event loop (coroutine functions)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - async callables
+    )
+
+
+def function_name(fn: Any) -> str:
+    """A readable ``module.qualname`` for error messages."""
+    module = getattr(fn, "__module__", None) or ""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    return f"{module}.{name}" if module else str(name)
+
+
+def pack_error(exc: BaseException, worker: str, function: str) -> tuple[bytes, list[memoryview]]:
+    """Serialise an exception raised while running ``function`` on ``worker``."""
+    text = "".join(traceback.format_exception(exc))
+    try:
+        packed = dumps((exc, worker, function, text))
+        loads(*packed)  # it must also rebuild on the caller
+        return packed
+    except Exception:
+        stand_in = RemoteError(
+            f"{type(exc).__qualname__}: {exc}", exc_type=_type_name(exc)
+        )
+        return dumps((stand_in, worker, function, text))
+
+
+def unpack_error(payload: bytes | bytearray, buffers: list[Any]) -> BaseException:
+    """Rebuild a remote exception, with where it came from attached."""
+    exc, worker, function, text = loads(payload, buffers)
+    if not isinstance(exc, BaseException):
+        exc = RemoteError(f"malformed error reply: {exc!r}")
+    exc.remote_worker = worker  # type: ignore[attr-defined]
+    exc.remote_function = function  # type: ignore[attr-defined]
+    exc.remote_traceback = text  # type: ignore[attr-defined]
+    exc.add_note(f"\n--- raised on worker {worker!r} in {function} ---\n{text.rstrip()}")
+    return exc
+
+
+def _type_name(exc: BaseException) -> str:
+    return f"{type(exc).__module__}.{type(exc).__qualname__}"

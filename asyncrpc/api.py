@@ -1,0 +1,162 @@
+"""The public RPC API, named after torch.distributed.rpc; every network call is awaitable."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from asyncrpc.agent import (
+    AgentOptions,
+    RpcAgent,
+    WorkerAddress,
+    WorkerInfo,
+    current_agent,
+    set_default_agent,
+    validate_name,
+)
+from asyncrpc.errors import AgentStateError, RPCTimeoutError
+from asyncrpc.rendezvous import create_store, exchange, job_secret, listen_host_for
+from asyncrpc.wire import DEFAULT_MAX_FRAME_SIZE
+
+Target = str | int | WorkerInfo
+
+
+async def init_rpc(
+    name: str,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str = "env://",
+    store: dist.Store | None = None,
+    rpc_timeout: float = 60.0,
+    num_worker_threads: int = 16,
+    transports: tuple[str, ...] = ("unix", "tcp"),
+    shared_memory: bool = True,
+    listen_host: str | None = None,
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+) -> None:
+    """Join the job as worker ``name`` and start serving calls.
+
+    Rendezvous goes through a c10d Store: ``tcp://host:port`` (rank 0 hosts a
+    TCPStore), ``env://`` (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; under
+    torchrun the agent's store is used), ``file://path``, or ``store=``.
+    ``rpc_timeout`` is the default per-call timeout in seconds (0: none).
+    ``transports`` lists what to listen on and prefer, in order ("unix" is used
+    only between processes of one host).  ``shared_memory`` enables the
+    same-host path for large tensors.  Returns once every worker has joined.
+    """
+    import os
+
+    if current_agent() is not None and current_agent().state not in ("closed",):  # type: ignore[union-attr]
+        raise AgentStateError("init_rpc was already called in this process; call shutdown first")
+    validate_name(name)
+    rank = int(os.environ["RANK"]) if rank is None else rank
+    world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, {world_size})")
+    if store is None:
+        store = await asyncio.to_thread(create_store, init_method, rank, world_size, rpc_timeout or 300)
+    secret = await asyncio.to_thread(job_secret, store, rank)
+    options = AgentOptions(
+        rpc_timeout=rpc_timeout,
+        num_worker_threads=num_worker_threads,
+        transports=transports,
+        shared_memory=shared_memory,
+        listen_host=listen_host or (listen_host_for(init_method) if init_method else "127.0.0.1"),
+        max_frame_size=max_frame_size,
+    )
+    agent = RpcAgent(name, rank, secret, options)
+    me = await agent.start()
+    try:
+        records = await asyncio.to_thread(exchange, store, rank, world_size, me.to_dict(), name)
+    except BaseException:
+        await agent.shutdown(graceful=False)
+        raise
+    agent.join([WorkerAddress.from_dict(r) for r in records])
+    agent.store = store  # type: ignore[attr-defined]  # keeps a hosted TCPStore alive
+    set_default_agent(agent)
+
+
+def _agent() -> RpcAgent:
+    agent = current_agent()
+    if agent is None:
+        raise AgentStateError("RPC is not initialised: call `await asyncrpc.init_rpc(...)` first")
+    return agent
+
+
+def rpc_async(
+    to: Target,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float | None = None,
+) -> asyncio.Future[Any]:
+    """Call ``func(*args, **kwargs)`` on worker ``to``; returns a future of the result.
+
+    The request is sent at once.  ``to`` is a worker name, a rank or a
+    WorkerInfo.  ``timeout`` (seconds) defaults to ``rpc_timeout``; 0 means none.
+    A remote exception is re-raised here as its own type (else ``RemoteError``)
+    with the remote worker, function and traceback attached.
+    """
+    return _agent().rpc_async(to, func, args, kwargs, timeout)
+
+
+def rpc_sync(
+    to: Target,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float | None = None,
+) -> Any:
+    """Blocking form of :func:`rpc_async`, for threads other than the event loop's."""
+    agent = _agent()
+    if agent.loop.is_running() and _on_loop_thread(agent.loop):
+        raise AgentStateError(
+            "rpc_sync was called on the event loop thread, where it would deadlock; "
+            "use `await asyncrpc.rpc_async(...)` there"
+        )
+    limit = agent.options.rpc_timeout if timeout is None else timeout
+
+    async def call() -> Any:
+        return await agent.rpc_async(to, func, args, kwargs, timeout)
+
+    future = asyncio.run_coroutine_threadsafe(call(), agent.loop)
+    try:
+        return future.result(timeout=limit + 5.0 if limit > 0 else None)
+    except TimeoutError as exc:
+        if isinstance(exc, RPCTimeoutError):
+            raise
+        future.cancel()
+        raise RPCTimeoutError(f"rpc_sync to {to!r} got no answer in {limit}s") from None
+
+
+def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return threading.current_thread() is threading.main_thread() and False
+
+
+def get_worker_info(name: str | None = None) -> WorkerInfo:
+    """The WorkerInfo of worker ``name``, or of this worker when ``name`` is None."""
+    agent = _agent()
+    return agent.info if name is None else agent.resolve(name).info
+
+
+def get_debug_info() -> dict[str, Any]:
+    """This worker's state: pending outgoing calls, running incoming calls, peers and more."""
+    return _agent().debug_info()
+
+
+async def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
+    """Leave the job.  Graceful: wait for our calls and every live worker (bounded by
+    ``timeout``, default ``rpc_timeout``); workers known to be dead are skipped."""
+    agent = _agent()
+    try:
+        await agent.shutdown(graceful=graceful, timeout=timeout)
+    finally:
+        set_default_agent(None)

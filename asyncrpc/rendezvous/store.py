@@ -1,0 +1,119 @@
+"""Rendezvous through torch's c10d Store: who is who, where to reach them, the job secret.
+
+Theory of operation
+-------------------
+``init_method`` picks the store, exactly as torch.distributed does:
+
+* ``tcp://host:port`` -- rank 0 hosts a ``TCPStore`` there, the others connect;
+* ``env://`` -- MASTER_ADDR / MASTER_PORT (and RANK / WORLD_SIZE if not given);
+  under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) the elastic agent already
+  hosts the store, so every rank connects as a client and none binds it;
+* ``file://path`` -- a ``FileStore`` shared by the ranks.
+
+Each worker publishes one msgpack record under ``asyncrpc/worker/<rank>`` and
+reads everyone's; names are claimed with an atomic counter so a duplicate is
+caught on both sides.  The job secret comes from ASYNCRPC_SECRET if set (then
+it never touches the store), else rank 0 makes one and shares it here.
+
+Every call here blocks (the store is C++); callers run them in a thread.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import secrets
+import socket
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgpack
+import torch.distributed as dist
+
+PREFIX = "asyncrpc"
+SECRET_ENV = "ASYNCRPC_SECRET"
+
+
+def create_store(init_method: str, rank: int, world_size: int, timeout: float) -> dist.Store:
+    """Open (or host, on rank 0) the store named by ``init_method``."""
+    scheme = init_method.partition("://")[0]
+    wait = timedelta(seconds=timeout)
+    if scheme == "tcp":
+        host, port = master_address(init_method)
+        return _tcp_store(host, port, rank, world_size, wait, hosted_by_agent=False)
+    if scheme == "env":
+        host, port = master_address(init_method)
+        agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        return _tcp_store(host, port, rank, world_size, wait, hosted_by_agent=agent_hosts)
+    if scheme == "file":
+        return dist.FileStore(urlsplit(init_method).path, world_size)
+    raise ValueError(f"unsupported init_method {init_method!r} (use tcp://, env:// or file://)")
+
+
+def master_address(init_method: str) -> tuple[str, int]:
+    """The store's host and port for ``tcp://`` and ``env://``."""
+    if init_method.startswith("env://"):
+        try:
+            return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        except KeyError as missing:
+            raise ValueError(f"env:// rendezvous needs the environment variable {missing}") from None
+    parts = urlsplit(init_method)
+    if parts.hostname is None or parts.port is None:
+        raise ValueError(f"init_method {init_method!r} needs a host and a port")
+    return parts.hostname, parts.port
+
+
+def _tcp_store(host: str, port: int, rank: int, world_size: int, wait: timedelta,
+               *, hosted_by_agent: bool) -> dist.Store:
+    is_master = rank == 0 and not hosted_by_agent
+    return dist.TCPStore(host, port, world_size, is_master, wait, wait_for_workers=False)
+
+
+def listen_host_for(init_method: str) -> str:
+    """The local address peers of this job can reach: loopback for a loopback job,
+    else the interface that routes to the store's host."""
+    if init_method.startswith("file://"):
+        return "127.0.0.1"
+    host, port = master_address(init_method)
+    try:
+        resolved = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0][4][0]
+    except OSError:
+        return "0.0.0.0"
+    if ipaddress.ip_address(resolved).is_loopback:
+        return str(resolved)
+    family = socket.AF_INET6 if ":" in str(resolved) else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((resolved, port))  # no packet is sent: this only picks a route
+        return str(probe.getsockname()[0])
+
+
+def job_secret(store: dist.Store, rank: int) -> bytes:
+    """The per-job secret that peers prove to each other in the handshake."""
+    from_env = os.environ.get(SECRET_ENV)
+    if from_env:
+        return from_env.encode()
+    key = f"{PREFIX}/secret"
+    if rank == 0:
+        store.set(key, secrets.token_bytes(32))
+    return bytes(store.get(key))
+
+
+def exchange(store: dist.Store, rank: int, world_size: int, record: dict[str, Any],
+             name: str) -> list[dict[str, Any]]:
+    """Publish our record, claim our name, and return every worker's record by rank."""
+    claims = store.add(f"{PREFIX}/name/{name}", 1)
+    store.set(f"{PREFIX}/worker/{rank}", msgpack.packb(record))
+    keys = [f"{PREFIX}/worker/{r}" for r in range(world_size)]
+    store.wait(keys)
+    records = [msgpack.unpackb(bytes(store.get(k))) for k in keys]
+    if claims > 1:
+        raise ValueError(f"worker name {name!r} is used by more than one rank")
+    seen: dict[str, int] = {}
+    for r in records:
+        if r["name"] in seen:
+            raise ValueError(
+                f"worker name {r['name']!r} is used by ranks {seen[r['name']]} and {r['rank']}"
+            )
+        seen[r["name"]] = r["rank"]
+    return records

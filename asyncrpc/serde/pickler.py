@@ -1,0 +1,77 @@
+"""Values <-> (payload, buffers): pickle protocol 5 with tensor storages out of band.
+
+Theory of operation
+-------------------
+``dumps`` pickles any value with protocol 5.  A tensor reduces to
+``load_tensor(meta, PickleBuffer(bytes))``; the pickler's ``buffer_callback``
+collects each PickleBuffer instead of writing it into the stream, so tensor
+bytes never enter the payload: they become separate wire buffers, passed as
+zero-copy memoryviews.  ``loads`` hands the received buffer objects (fresh
+uint8 storage or shared-memory mappings) back to pickle, which passes each one
+unchanged to ``load_tensor``.
+
+Functions and classes pickle by reference (module and qualified name), as in
+torch.distributed.rpc, so ``torch.add`` or ``mymodule.train_step`` travel as
+names.  Unpickling can run code, which is why the transport authenticates every
+peer before a single payload byte is unpickled.
+
+Upper layers register extra reducers (RRefs, for instance) with
+:func:`register_reducer`, so this layer never imports them.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from asyncrpc.errors import SerializationError
+from asyncrpc.serde.tensors import dump_tensor, is_plain, load_tensor
+
+Reduced = tuple[Callable[..., Any], tuple[Any, ...]]
+_REDUCERS: dict[type, Callable[[Any], Reduced]] = {}
+
+
+def register_reducer(cls: type, reducer: Callable[[Any], Reduced]) -> None:
+    """Make instances of exactly ``cls`` pickle as ``reducer(obj)`` on the wire."""
+    _REDUCERS[cls] = reducer
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        reducer = _REDUCERS.get(type(obj))
+        if reducer is not None:
+            return reducer(obj)
+        if isinstance(obj, torch.Tensor) and is_plain(obj):
+            meta, view = dump_tensor(obj)
+            return load_tensor, (meta, pickle.PickleBuffer(view))
+        return NotImplemented
+
+
+def dumps(value: Any) -> tuple[bytes, list[memoryview]]:
+    """Serialise ``value``; returns the pickle payload and the out-of-band buffers."""
+    buffers: list[pickle.PickleBuffer] = []
+    stream = io.BytesIO()
+    try:
+        _Pickler(stream, protocol=5, buffer_callback=buffers.append).dump(value)
+    except Exception as exc:
+        raise SerializationError(f"cannot serialize {_describe(value)}: {exc}") from exc
+    return stream.getvalue(), [b.raw() for b in buffers]
+
+
+def loads(payload: bytes | bytearray, buffers: Sequence[Any] = ()) -> Any:
+    """Rebuild a value from its payload and the received buffer objects."""
+    try:
+        return pickle.loads(payload, buffers=buffers)
+    except SerializationError:
+        raise
+    except Exception as exc:
+        raise SerializationError(f"cannot deserialize payload: {exc!r}") from exc
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."

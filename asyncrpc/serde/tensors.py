@@ -1,0 +1,125 @@
+"""Tensors as (meta, raw bytes): what travels, and how it is rebuilt.
+
+Theory of operation
+-------------------
+Only a tensor's own bytes travel.  Its *span* is the storage range its elements
+touch.  When the span holds no more elements than the tensor has (dense
+layouts in any stride order, expanded or overlapping views), the span is sent
+as is and the strides are kept, so a transposed matrix arrives transposed.
+Otherwise (a sliced view with gaps) the tensor is made contiguous first, so a
+10-element view of a 1 GB storage sends 10 elements.
+
+The bytes are exposed as a byte memoryview over the tensor's memory, without
+copying: the memoryview's exporter (a ctypes array) holds a reference to the
+tensor, so the memory stays alive for as long as a transport still holds the
+view.  On the receiving side the bytes are already in fresh storage (a uint8
+tensor, or a shared-memory mapping), and the tensor is a typed, strided view of
+it.  CUDA tensors are staged through host memory after their stream finishes
+(``Tensor.cpu`` synchronises) and land on the same device index on the receiver.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from asyncrpc.errors import SerializationError
+
+TensorMeta = tuple[str, tuple[int, ...], tuple[int, ...], bool, str, bool]
+"""(dtype name, shape, strides, requires_grad, device, is_parameter)"""
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in vars(torch).values()
+    if isinstance(d, torch.dtype)
+}
+
+
+def byte_view(tensor: torch.Tensor, nbytes: int) -> memoryview:
+    """A writable byte memoryview of ``nbytes`` at ``tensor.data_ptr()`` that keeps it alive."""
+    if nbytes == 0:
+        return memoryview(bytearray())
+    array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    array._keepalive = tensor  # type: ignore[attr-defined]
+    return memoryview(array).cast("B")
+
+
+def _span(tensor: torch.Tensor) -> int:
+    """Number of storage elements between the first and last element, inclusive."""
+    if tensor.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+
+
+def is_plain(tensor: torch.Tensor) -> bool:
+    """Whether we serialise this tensor ourselves (strided, not quantized, not meta)."""
+    return (
+        tensor.layout is torch.strided
+        and not tensor.is_quantized
+        and tensor.device.type in ("cpu", "cuda")
+    )
+
+
+def dump_tensor(tensor: torch.Tensor) -> tuple[TensorMeta, memoryview]:
+    """Split a tensor into header meta and a zero-copy view of its bytes."""
+    device = str(tensor.device)
+    data = tensor.detach()
+    if data.device.type != "cpu":
+        data = data.cpu()
+    if _span(data) > data.numel():
+        data = data.contiguous()
+    meta: TensorMeta = (
+        str(data.dtype).removeprefix("torch."),
+        tuple(data.shape),
+        tuple(data.stride()),
+        tensor.requires_grad,
+        device,
+        isinstance(tensor, torch.nn.Parameter),
+    )
+    return meta, byte_view(data, _span(data) * data.element_size())
+
+
+def load_tensor(meta: TensorMeta, buffer: Any) -> torch.Tensor:
+    """Rebuild a tensor from its meta and the buffer its bytes were received into."""
+    dtype_name, shape, stride, requires_grad, device, is_parameter = meta
+    dtype = _DTYPES.get(dtype_name)
+    if dtype is None:
+        raise SerializationError(f"unknown tensor dtype {dtype_name!r}")
+    raw = _as_uint8(buffer)
+    flat = raw.view(dtype) if raw.numel() else torch.empty(0, dtype=dtype)
+    tensor = flat.as_strided(shape, stride) if flat.numel() else torch.empty_strided(
+        shape, stride, dtype=dtype
+    )
+    tensor = _to_device(tensor, device)
+    if is_parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
+
+
+def _as_uint8(buffer: Any) -> torch.Tensor:
+    if isinstance(buffer, torch.Tensor):
+        return buffer
+    if len(memoryview(buffer)) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+def _to_device(tensor: torch.Tensor, device: str) -> torch.Tensor:
+    if device == "cpu":
+        return tensor
+    target = torch.device(device)
+    if target.type == "cuda" and torch.cuda.is_available() and (
+        (target.index or 0) < torch.cuda.device_count()
+    ):
+        return tensor.to(target, non_blocking=False)
+    raise SerializationError(
+        f"received a tensor on device {device!r}, which this worker does not have"
+    )
+
+
+def allocate_tensor_storage(nbytes: int) -> tuple[torch.Tensor, memoryview]:
+    """Wire allocator: fresh uint8 tensor storage, and a byte view the kernel can fill."""
+    storage = torch.empty(nbytes, dtype=torch.uint8)
+    return storage, byte_view(storage, nbytes)

@@ -1,0 +1,16 @@
+"""Connections: framed, authenticated links over tcp and unix sockets, and same-host shared memory."""
+
+from asyncrpc.transport.endpoints import SCHEMES, dial, listen
+from asyncrpc.transport.link import Link, LinkHandler
+from asyncrpc.transport.shm import SHM_THRESHOLD, SegmentPool, host_identity
+
+__all__ = (
+    "SCHEMES",
+    "SHM_THRESHOLD",
+    "Link",
+    "LinkHandler",
+    "SegmentPool",
+    "dial",
+    "host_identity",
+    "listen",
+)

@@ -1,0 +1,275 @@
+"""A Link: one authenticated, framed, flow-controlled connection to one peer.
+
+Theory of operation
+-------------------
+A Link is an ``asyncio.BufferedProtocol``: the event loop asks it for memory
+(``get_buffer``) and the decoder answers with staging space or with the very
+storage a large tensor will live in, so received bytes are copied once, by the
+kernel.  Complete frames first drive the handshake; only once it is
+established do frames reach the :class:`LinkHandler` (the agent), and a
+non-handshake frame before then drops the connection unread.
+
+Sending: ``encode`` turns a message into byte parts (any thread may call it;
+large buffers to a same-host peer go into shared-memory segments there), and
+``write`` queues parts on the loop.  Parts queued in one loop iteration leave
+in one ``writelines`` call.  When the transport's buffer passes its high-water
+mark (``pause_writing``), parts wait in our queue until ``resume_writing``.
+
+Any protocol violation or transport error closes the Link; ``link_lost`` is
+then called exactly once, with the cause, so the owner can fail every call
+that was waiting on this peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Sequence
+from typing import Any, Protocol, cast
+
+from asyncrpc.errors import HandshakeError, PeerLostError, ProtocolError, RemoteProtocolError
+from asyncrpc.transport.shm import SHM_THRESHOLD, SegmentPool, map_segment
+from asyncrpc.wire import (
+    HANDSHAKE_KINDS,
+    NEED_DATA,
+    Allocator,
+    ExternalRef,
+    Frame,
+    FrameDecoder,
+    Handshake,
+    Identity,
+    Kind,
+    encode_frame,
+)
+
+log = logging.getLogger("asyncrpc.transport")
+Parts = list[bytes | memoryview]
+
+
+class LinkHandler(Protocol):
+    """What a Link reports to its owner."""
+
+    def link_established(self, link: Link) -> None: ...
+    def frame_received(self, link: Link, frame: Frame) -> None: ...
+    def link_lost(self, link: Link, exc: BaseException) -> None: ...
+
+
+class Link(asyncio.BufferedProtocol):
+    """One connection; see the module docstring."""
+
+    def __init__(
+        self,
+        handler: LinkHandler,
+        handshake: Handshake,
+        *,
+        allocate: Allocator,
+        max_frame_size: int,
+        segments: SegmentPool | None = None,
+        handshake_timeout: float = 10.0,
+    ) -> None:
+        self.handler = handler
+        self.handshake = handshake
+        self.max_frame_size = max_frame_size
+        self.ready: asyncio.Future[Link] = asyncio.get_running_loop().create_future()
+        self.closed = False
+        self._loop = asyncio.get_running_loop()
+        self._decoder = FrameDecoder(max_frame_size=max_frame_size, allocate=allocate)
+        self._segments = segments
+        self._share_memory = False
+        self._transport: asyncio.Transport | None = None
+        self._outbox: Parts = []
+        self._flush_scheduled = False
+        self._paused = False
+        self._released: list[int] = []
+        self._handshake_timer = self._loop.call_later(handshake_timeout, self._handshake_expired)
+
+    @property
+    def peer(self) -> Identity:
+        assert self.handshake.peer is not None, "peer is known once the handshake is done"
+        return self.handshake.peer
+
+    def __repr__(self) -> str:
+        peer = self.handshake.peer.name if self.handshake.peer else "?"
+        return f"<Link {self.handshake.role.name.lower()} peer={peer}>"
+
+    # -- asyncio callbacks ---------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        transport = self._transport
+        transport.set_write_buffer_limits(high=4 << 20)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for kind, meta in self.handshake.start():
+            self.send(kind, meta)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._decoder.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._decoder.buffer_updated(nbytes)
+        try:
+            while not self.closed:
+                frame = self._decoder.next_event()
+                if frame is NEED_DATA:
+                    return
+                assert isinstance(frame, Frame)
+                self._dispatch(frame)
+        except (ProtocolError, HandshakeError) as exc:
+            self.abort(exc)
+
+    def eof_received(self) -> bool:
+        self.abort(self._lost_error("closed the connection"))
+        return False
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        cause = exc if exc is not None else None
+        error = self._lost_error(f"connection lost ({cause or 'closed'})")
+        if cause is not None:
+            error.__cause__ = cause
+        self._finish(error)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._flush()
+
+    # -- sending -------------------------------------------------------------------
+
+    def encode(
+        self,
+        kind: int,
+        meta: dict[str, Any],
+        payload: bytes | memoryview = b"",
+        buffers: Sequence[memoryview] = (),
+    ) -> Parts:
+        """Byte parts for one message; safe to call from any thread."""
+        refs: list[memoryview | ExternalRef] = list(buffers)
+        if self._share_memory and self._segments is not None:
+            refs = [self._segments.put(b, self) if b.nbytes >= SHM_THRESHOLD else b for b in refs]
+        return encode_frame(kind, meta, payload, refs, max_frame_size=self.max_frame_size)
+
+    def send(
+        self,
+        kind: int,
+        meta: dict[str, Any],
+        payload: bytes | memoryview = b"",
+        buffers: Sequence[memoryview] = (),
+    ) -> None:
+        """Encode and queue one message (loop thread only)."""
+        self.write(self.encode(kind, meta, payload, buffers))
+
+    def write(self, parts: Parts) -> None:
+        """Queue encoded parts; they leave together at the end of this loop iteration."""
+        if self.closed:
+            return
+        self._outbox.extend(parts)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._paused or self.closed or not self._outbox or self._transport is None:
+            return
+        parts, self._outbox = self._outbox, []
+        self._transport.writelines(parts)
+
+    def segment_released(self, key: int) -> None:
+        """A mapping of the peer's segment died (any thread): tell the peer, batched."""
+        if not self.closed:
+            self._loop.call_soon_threadsafe(self._queue_release, key)
+
+    def _queue_release(self, key: int) -> None:
+        if not self._released:
+            self._loop.call_soon(self._send_releases)
+        self._released.append(key)
+
+    def _send_releases(self) -> None:
+        keys, self._released = self._released, []
+        if keys and self.handshake.established:
+            self.send(Kind.RELEASE, {"k": keys})
+
+    # -- flow control for readers --------------------------------------------------
+
+    def pause_reading(self) -> None:
+        if self._transport is not None and not self.closed:
+            self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._transport is not None and not self.closed:
+            self._transport.resume_reading()
+
+    # -- receiving -----------------------------------------------------------------
+
+    def _dispatch(self, frame: Frame) -> None:
+        if frame.kind in HANDSHAKE_KINDS:
+            self._on_handshake_frame(frame)
+        elif not self.handshake.established:
+            raise RemoteProtocolError(f"message kind {frame.kind} before the handshake finished")
+        elif frame.kind == Kind.RELEASE:
+            if self._segments is not None:
+                self._segments.release(list(frame.meta.get("k", ())), self)
+        else:
+            self._resolve_external(frame)
+            self.handler.frame_received(self, frame)
+
+    def _on_handshake_frame(self, frame: Frame) -> None:
+        for kind, meta in self.handshake.receive(frame.kind, frame.meta):
+            self.send(kind, meta)
+        if self.handshake.established:
+            self._handshake_timer.cancel()
+            self._share_memory = self.peer.host == self.handshake.local.host
+            self.handler.link_established(self)
+            if not self.ready.done():
+                self.ready.set_result(self)
+
+    def _resolve_external(self, frame: Frame) -> None:
+        for i, buf in enumerate(frame.buffers):
+            if isinstance(buf, ExternalRef):
+                if not self._share_memory:
+                    raise RemoteProtocolError("shared-memory buffer from a peer on another host")
+                frame.buffers[i] = map_segment(self.peer.pid, buf, self.segment_released)
+
+    # -- closing -------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close after queued bytes are written."""
+        self._flush()
+        if self._transport is not None:
+            self._transport.close()
+
+    def abort(self, exc: BaseException) -> None:
+        """Drop the connection now; ``link_lost`` reports ``exc``."""
+        if self.closed:
+            return
+        if isinstance(exc, ProtocolError | HandshakeError):
+            log.warning("dropping connection %r: %s", self, exc)
+        self._finish(exc)
+        if self._transport is not None:
+            self._transport.abort()
+
+    def _finish(self, exc: BaseException) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._handshake_timer.cancel()
+        self._outbox = []
+        if self._segments is not None:
+            self._segments.forget(self)
+        if not self.ready.done():
+            self.ready.set_exception(exc)
+            self.ready.exception()  # retrieved: the dialer may have stopped waiting
+        self.handler.link_lost(self, exc)
+
+    def _handshake_expired(self) -> None:
+        self.abort(HandshakeError(f"{self!r}: handshake not completed in time"))
+
+    def _lost_error(self, what: str) -> PeerLostError:
+        peer = self.handshake.peer
+        name = peer.name if peer else "an unidentified peer"
+        return PeerLostError(f"worker {name!r}: {what}", worker=name)

@@ -1,0 +1,29 @@
+"""Sans-IO wire protocol: frame codec, message kinds, handshake.  No asyncio, no sockets."""
+
+from asyncrpc.wire.codec import (
+    DEFAULT_MAX_FRAME_SIZE,
+    NEED_DATA,
+    Allocator,
+    ExternalRef,
+    Frame,
+    FrameDecoder,
+    encode_frame,
+)
+from asyncrpc.wire.handshake import Handshake, Identity, Role
+from asyncrpc.wire.messages import HANDSHAKE_KINDS, PROTOCOL_VERSION, Kind
+
+__all__ = (
+    "DEFAULT_MAX_FRAME_SIZE",
+    "HANDSHAKE_KINDS",
+    "NEED_DATA",
+    "PROTOCOL_VERSION",
+    "Allocator",
+    "ExternalRef",
+    "Frame",
+    "FrameDecoder",
+    "Handshake",
+    "Identity",
+    "Kind",
+    "Role",
+    "encode_frame",
+)

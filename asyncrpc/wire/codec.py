@@ -1,0 +1,316 @@
+"""Sans-IO frame codec: bytes in, frames out; frames in, byte parts out.
+
+Theory of operation
+-------------------
+One message on the wire is one *frame*::
+
+    prelude   8 bytes   magic (u16) | flags (u16, zero) | header length (u32)
+    header    msgpack   [kind, meta, payload length, buffer descriptors]
+    payload   bytes     the pickle stream (tensor storages left out of band)
+    buffers   bytes     each inline buffer, back to back, in descriptor order
+
+A buffer descriptor is an ``int`` (an inline buffer of that many bytes that
+follows the payload) or ``[key, nbytes]`` (an :class:`ExternalRef`: the bytes
+travel some other way, e.g. a shared-memory segment, and an upper layer resolves
+the key).
+
+The decoder has two faces.  ``get_buffer()``/``buffer_updated(n)`` is what an
+``asyncio.BufferedProtocol`` calls, so the kernel writes straight into memory
+the decoder chose: a small staging area for preludes, headers and small
+payloads, and, for a large buffer, the destination object itself (made by the
+injected ``allocate`` callable, e.g. fresh tensor storage).  ``receive_data()``
+feeds scripted chunks through that same path, for tests.  ``next_event()`` then
+returns one complete :class:`Frame` or ``NEED_DATA``.  Any violation (bad magic,
+malformed header, a length above the configured maximum, an unknown kind) raises
+``RemoteProtocolError`` and poisons the decoder: the connection must be dropped.
+
+No asyncio, no sockets, nothing but bytes: every split point is testable.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import msgpack
+
+from asyncrpc.errors import LocalProtocolError, RemoteProtocolError
+from asyncrpc.wire.messages import KNOWN_KINDS
+
+MAGIC: Final = 0xA5C1
+PRELUDE: Final = struct.Struct("<HHI")
+MAX_HEADER_SIZE: Final = 64 * 1024
+DEFAULT_MAX_FRAME_SIZE: Final = 8 * 1024**3
+STAGING_SIZE: Final = 256 * 1024
+SMALL_PAYLOAD: Final = 64 * 1024
+
+
+class _NeedData:
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+NEED_DATA: Final = _NeedData()
+"""Returned by :meth:`FrameDecoder.next_event` when no whole frame is buffered yet."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExternalRef:
+    """A buffer whose bytes travel outside the stream, named by ``key``."""
+
+    key: int
+    nbytes: int
+
+
+@dataclass(slots=True)
+class Frame:
+    """One decoded message.  ``buffers`` holds allocator objects or ExternalRefs."""
+
+    kind: int
+    meta: dict[str, Any]
+    payload: bytes | bytearray = b""
+    buffers: list[Any] = field(default_factory=list)
+
+
+Allocator = Callable[[int], tuple[Any, memoryview]]
+"""``allocate(nbytes) -> (owner, writable byte view of exactly nbytes)``."""
+
+
+def allocate_bytearray(nbytes: int) -> tuple[Any, memoryview]:
+    """Default allocator: a plain ``bytearray``."""
+    buf = bytearray(nbytes)
+    return buf, memoryview(buf)
+
+
+def encode_frame(
+    kind: int,
+    meta: dict[str, Any],
+    payload: bytes | memoryview = b"",
+    buffers: Sequence[memoryview | ExternalRef] = (),
+    *,
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+) -> list[bytes | memoryview]:
+    """Encode one frame as a list of parts for ``transport.writelines``.
+
+    Inline buffers are passed through as they are (no copy); they must be
+    byte-format memoryviews so that ``len()`` is their size in bytes.
+    """
+    descriptors: list[int | list[int]] = []
+    inline: list[memoryview] = []
+    for buf in buffers:
+        if isinstance(buf, ExternalRef):
+            descriptors.append([buf.key, buf.nbytes])
+        else:
+            descriptors.append(buf.nbytes)
+            inline.append(buf)
+    total = len(payload) + sum(v.nbytes for v in inline)
+    if total > max_frame_size:
+        raise LocalProtocolError(
+            f"frame of {total} bytes exceeds the maximum frame size of {max_frame_size} bytes"
+        )
+    header = msgpack.packb([kind, meta, len(payload), descriptors], use_bin_type=True)
+    if len(header) > MAX_HEADER_SIZE:
+        raise LocalProtocolError(f"frame header of {len(header)} bytes exceeds {MAX_HEADER_SIZE}")
+    head = PRELUDE.pack(MAGIC, 0, len(header)) + header
+    if len(payload) <= SMALL_PAYLOAD:
+        return [head + payload, *inline]
+    return [head, payload, *inline]
+
+
+@dataclass(slots=True)
+class _Partial:
+    """A frame whose header is parsed and whose body is still arriving."""
+
+    frame: Frame
+    payload_len: int
+    pending: list[tuple[int, int]]  # (buffer index, size) of inline buffers still to read
+    payload_done: bool = False
+
+
+class FrameDecoder:
+    """Incremental frame decoder; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        allocate: Allocator = allocate_bytearray,
+    ) -> None:
+        self.max_frame_size = max_frame_size
+        self._allocate = allocate
+        self._staging = bytearray(STAGING_SIZE)
+        self._view = memoryview(self._staging)
+        self._start = 0  # first unparsed staged byte
+        self._end = 0  # one past the last staged byte
+        self._partial: _Partial | None = None
+        self._direct: memoryview | None = None  # destination being filled by the kernel
+        self._direct_filled = 0
+        self._ready: deque[Frame] = deque()
+        self._error: RemoteProtocolError | None = None
+
+    # -- the BufferedProtocol face -------------------------------------------------
+
+    def get_buffer(self) -> memoryview:
+        """Writable memory for the next bytes from the peer (never empty)."""
+        if self._direct is not None:
+            return self._direct[self._direct_filled :]
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif len(self._staging) - self._end < 4096:
+            self._compact()
+        return self._view[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        """Record that ``nbytes`` were written into the last ``get_buffer()``."""
+        if self._direct is not None:
+            self._direct_filled += nbytes
+        else:
+            self._end += nbytes
+
+    def receive_data(self, data: bytes | memoryview) -> None:
+        """Feed a chunk of bytes (the scripted face, for tests and simple shells)."""
+        view = memoryview(data).cast("B")
+        while view:
+            target = self.get_buffer()
+            n = min(len(target), len(view))
+            target[:n] = view[:n]
+            self.buffer_updated(n)
+            view = view[n:]
+            # Parse as we go, so that staged bytes move on into their destinations.
+            while not isinstance(frame := self._guarded(self._advance), _NeedData):
+                self._ready.append(frame)
+
+    def next_event(self) -> Frame | _NeedData:
+        """Return the next complete frame, or ``NEED_DATA``."""
+        if self._ready:
+            return self._ready.popleft()
+        return self._guarded(self._advance)
+
+    def _guarded(self, step: Callable[[], Frame | _NeedData]) -> Frame | _NeedData:
+        if self._error is not None:
+            raise self._error
+        try:
+            return step()
+        except RemoteProtocolError as exc:
+            self._error = exc
+            raise
+
+    # -- parsing -------------------------------------------------------------------
+
+    def _advance(self) -> Frame | _NeedData:
+        self._drain_direct()
+        if self._direct is not None:
+            return NEED_DATA
+        if self._partial is None and not self._parse_header():
+            return NEED_DATA
+        assert self._partial is not None
+        if not self._read_body(self._partial):
+            return NEED_DATA
+        frame, self._partial = self._partial.frame, None
+        return frame
+
+    def _drain_direct(self) -> None:
+        if self._direct is not None and self._direct_filled == len(self._direct):
+            self._direct, self._direct_filled = None, 0
+
+    def _staged(self) -> int:
+        return self._end - self._start
+
+    def _parse_header(self) -> bool:
+        if self._staged() < PRELUDE.size:
+            return False
+        magic, flags, header_len = PRELUDE.unpack_from(self._staging, self._start)
+        if magic != MAGIC or flags != 0:
+            raise RemoteProtocolError(f"bad frame prelude (magic {magic:#06x}, flags {flags})")
+        if header_len > MAX_HEADER_SIZE:
+            raise RemoteProtocolError(f"frame header of {header_len} bytes exceeds {MAX_HEADER_SIZE}")
+        if self._staged() < PRELUDE.size + header_len:
+            return False
+        begin = self._start + PRELUDE.size
+        raw = bytes(self._view[begin : begin + header_len])
+        self._start = begin + header_len
+        self._partial = self._validate_header(raw)
+        return True
+
+    def _validate_header(self, raw: bytes) -> _Partial:
+        try:
+            header = msgpack.unpackb(raw, raw=False, use_list=True)
+        except Exception as exc:
+            raise RemoteProtocolError(f"undecodable frame header: {exc}") from exc
+        if not (isinstance(header, list) and len(header) == 4):
+            raise RemoteProtocolError("frame header is not a 4-item array")
+        kind, meta, payload_len, descriptors = header
+        if kind not in KNOWN_KINDS:
+            raise RemoteProtocolError(f"unknown message kind {kind!r}")
+        if not isinstance(meta, dict) or not isinstance(descriptors, list):
+            raise RemoteProtocolError("malformed frame header fields")
+        sizes = [payload_len, *(self._descriptor_size(d) for d in descriptors)]
+        if not all(isinstance(s, int) and s >= 0 for s in sizes):
+            raise RemoteProtocolError(f"invalid lengths in frame header: {sizes!r}")
+        if sum(sizes) > self.max_frame_size:
+            raise RemoteProtocolError(
+                f"frame of {sum(sizes)} bytes exceeds the maximum frame size "
+                f"of {self.max_frame_size} bytes"
+            )
+        buffers: list[Any] = [None] * len(descriptors)
+        pending: list[tuple[int, int]] = []
+        for i, d in enumerate(descriptors):
+            if isinstance(d, int):
+                pending.append((i, d))
+            else:
+                buffers[i] = ExternalRef(d[0], d[1])
+        pending.reverse()  # popped from the end, in order
+        return _Partial(Frame(kind, meta, b"", buffers), payload_len, pending)
+
+    @staticmethod
+    def _descriptor_size(d: Any) -> Any:
+        if isinstance(d, int):
+            return d
+        if isinstance(d, list) and len(d) == 2 and all(isinstance(x, int) for x in d):
+            return d[1]
+        raise RemoteProtocolError(f"malformed buffer descriptor {d!r}")
+
+    def _read_body(self, part: _Partial) -> bool:
+        if not part.payload_done and not self._read_payload(part):
+            return False
+        while part.pending:
+            index, size = part.pending[-1]
+            owner, view = self._allocate(size)
+            part.frame.buffers[index] = owner
+            part.pending.pop()
+            if not self._fill(view):
+                return False
+        return True
+
+    def _read_payload(self, part: _Partial) -> bool:
+        size = part.payload_len
+        if size <= SMALL_PAYLOAD:
+            if self._staged() < size:
+                if self._start + size > len(self._staging):
+                    self._compact()
+                return False
+            part.frame.payload = bytes(self._view[self._start : self._start + size])
+            self._start += size
+            part.payload_done = True
+            return True
+        part.frame.payload = buf = bytearray(size)
+        part.payload_done = True
+        return self._fill(memoryview(buf))
+
+    def _fill(self, view: memoryview) -> bool:
+        """Copy what is staged into ``view``; hand the rest to the kernel directly."""
+        n = min(self._staged(), len(view))
+        view[:n] = self._view[self._start : self._start + n]
+        self._start += n
+        if n == len(view):
+            return True
+        self._direct, self._direct_filled = view, n
+        return False
+
+    def _compact(self) -> None:
+        staged = self._staged()
+        self._view[:staged] = self._view[self._start : self._end]
+        self._start, self._end = 0, staged

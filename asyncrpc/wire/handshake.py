@@ -1,0 +1,177 @@
+"""Connection handshake: protocol version check and mutual HMAC authentication.
+
+Theory of operation
+-------------------
+Both ends hold the job's secret.  Neither ever sends it; each proves it knows it
+by an HMAC over both fresh nonces, both identities and its own role::
+
+    dialer                                   listener
+      HELLO {v, identity, nonce_d}      ->
+                                        <-   CHALLENGE {v, identity, nonce_l, proof_l}
+      AUTH {proof_d}                    ->
+                                        <-   WELCOME {}
+
+A proof binds the role, so a listener's proof cannot be reflected back as a
+dialer's.  Until the handshake is ESTABLISHED only handshake frames are legal,
+and they carry msgpack metadata only: nothing from an unauthenticated peer is
+ever unpickled.  The machine is events in (``receive(kind, meta)``), messages
+out (a list of ``(kind, meta)`` to send); it owns no socket.  Every
+transition lives in ``_TRANSITIONS``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from enum import Enum, auto
+from typing import Any
+
+from asyncrpc.errors import HandshakeError
+from asyncrpc.wire.messages import PROTOCOL_VERSION, Kind
+
+Outgoing = list[tuple[Kind, dict[str, Any]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who an end of a connection is: worker name and rank, process id, host id."""
+
+    name: str
+    rank: int
+    pid: int
+    host: str
+
+
+class Role(Enum):
+    DIALER = auto()
+    LISTENER = auto()
+
+
+class State(Enum):
+    START = auto()
+    SENT_HELLO = auto()  # dialer, waiting for CHALLENGE
+    SENT_AUTH = auto()  # dialer, waiting for WELCOME
+    SENT_CHALLENGE = auto()  # listener, waiting for AUTH
+    ESTABLISHED = auto()
+    FAILED = auto()
+
+
+def _proof(secret: bytes, role: Role, nonce_dialer: bytes, nonce_listener: bytes,
+           dialer: str, listener: str) -> bytes:
+    message = b"|".join(
+        [b"asyncrpc", role.name.encode(), nonce_dialer, nonce_listener,
+         dialer.encode(), listener.encode()]
+    )
+    return hmac.digest(secret, message, hashlib.sha256)
+
+
+class Handshake:
+    """One end of one connection's handshake."""
+
+    def __init__(self, role: Role, secret: bytes, local: Identity) -> None:
+        self.role = role
+        self.state = State.START
+        self.local = local
+        self.peer: Identity | None = None
+        self._secret = secret
+        self._nonce = secrets.token_bytes(32)
+        self._peer_nonce = b""
+
+    @property
+    def established(self) -> bool:
+        return self.state is State.ESTABLISHED
+
+    def start(self) -> Outgoing:
+        """The dialer's opening message (the listener opens with nothing)."""
+        if self.role is Role.LISTENER:
+            return []
+        self.state = State.SENT_HELLO
+        return [(Kind.HELLO, self._introduction())]
+
+    def receive(self, kind: int, meta: dict[str, Any]) -> Outgoing:
+        """Feed one handshake frame; returns what to send back.  Raises HandshakeError."""
+        step = _TRANSITIONS.get((self.role, self.state, kind))
+        if step is None:
+            state, self.state = self.state, State.FAILED
+            raise HandshakeError(f"unexpected message kind {kind} during handshake ({state.name})")
+        try:
+            return step(self, meta)
+        except HandshakeError:
+            self.state = State.FAILED
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            self.state = State.FAILED
+            raise HandshakeError(f"malformed handshake message: {exc!r}") from exc
+
+    # -- transitions ---------------------------------------------------------------
+
+    def _on_hello(self, meta: dict[str, Any]) -> Outgoing:
+        self._accept_peer(meta)
+        self.state = State.SENT_CHALLENGE
+        reply = self._introduction()
+        reply["proof"] = self._make_proof(Role.LISTENER)
+        return [(Kind.CHALLENGE, reply)]
+
+    def _on_challenge(self, meta: dict[str, Any]) -> Outgoing:
+        self._accept_peer(meta)
+        self._check_proof(Role.LISTENER, meta["proof"])
+        self.state = State.SENT_AUTH
+        return [(Kind.AUTH, {"proof": self._make_proof(Role.DIALER)})]
+
+    def _on_auth(self, meta: dict[str, Any]) -> Outgoing:
+        self._check_proof(Role.DIALER, meta["proof"])
+        self.state = State.ESTABLISHED
+        return [(Kind.WELCOME, {})]
+
+    def _on_welcome(self, meta: dict[str, Any]) -> Outgoing:
+        self.state = State.ESTABLISHED
+        return []
+
+    # -- helpers -------------------------------------------------------------------
+
+    def _introduction(self) -> dict[str, Any]:
+        return {"v": PROTOCOL_VERSION, **asdict(self.local), "nonce": self._nonce}
+
+    def _accept_peer(self, meta: dict[str, Any]) -> None:
+        if meta["v"] != PROTOCOL_VERSION:
+            raise HandshakeError(
+                f"peer speaks protocol version {meta['v']!r}, we speak {PROTOCOL_VERSION}"
+            )
+        nonce = meta["nonce"]
+        if not isinstance(nonce, bytes) or len(nonce) != 32:
+            raise HandshakeError("handshake nonce must be 32 bytes")
+        self._peer_nonce = nonce
+        self.peer = Identity(str(meta["name"]), int(meta["rank"]), int(meta["pid"]),
+                             str(meta["host"]))
+
+    def _names(self) -> tuple[str, str]:
+        assert self.peer is not None
+        if self.role is Role.DIALER:
+            return self.local.name, self.peer.name
+        return self.peer.name, self.local.name
+
+    def _nonces(self) -> tuple[bytes, bytes]:
+        if self.role is Role.DIALER:
+            return self._nonce, self._peer_nonce
+        return self._peer_nonce, self._nonce
+
+    def _make_proof(self, role: Role) -> bytes:
+        return _proof(self._secret, role, *self._nonces(), *self._names())
+
+    def _check_proof(self, role: Role, proof: Any) -> None:
+        expected = self._make_proof(role)
+        if not isinstance(proof, bytes) or not hmac.compare_digest(proof, expected):
+            peer = self.peer.name if self.peer else "?"
+            raise HandshakeError(f"peer {peer!r} failed authentication (wrong job secret)")
+
+
+_Step = Callable[[Handshake, dict[str, Any]], Outgoing]
+_TRANSITIONS: dict[tuple[Role, State, int], _Step] = {
+    (Role.LISTENER, State.START, Kind.HELLO): Handshake._on_hello,
+    (Role.DIALER, State.SENT_HELLO, Kind.CHALLENGE): Handshake._on_challenge,
+    (Role.LISTENER, State.SENT_CHALLENGE, Kind.AUTH): Handshake._on_auth,
+    (Role.DIALER, State.SENT_AUTH, Kind.WELCOME): Handshake._on_welcome,
+}

@@ -1,0 +1,44 @@
+"""Message kinds and the fields each carries in its header ``meta`` map.
+
+Handshake (meta only, never a pickle)::
+
+    HELLO      dialer -> listener  {v, name, rank, pid, host, nonce}
+    CHALLENGE  listener -> dialer  {v, name, rank, pid, host, nonce, proof}
+    AUTH       dialer -> listener  {proof}
+    WELCOME    listener -> dialer  {}
+
+Established::
+
+    REQUEST    {i: call id, f: function name for errors}  payload = pickle((func, args, kwargs))
+    RESPONSE   {i}                                         payload = pickle(result)
+    ERROR      {i}                                         payload = pickle(exception info)
+    CANCEL     {i}          the caller gave up (timeout); the callee may stop the work
+    SHUTDOWN   {rank}       the sender has called shutdown and has no calls of its own in flight
+    RELEASE    {k: [keys]}  the receiver no longer maps these shared-memory segments
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Final
+
+PROTOCOL_VERSION: Final = 1
+
+
+class Kind(IntEnum):
+    """Every message kind; a frame of any other kind is a protocol error."""
+
+    HELLO = 1
+    CHALLENGE = 2
+    AUTH = 3
+    WELCOME = 4
+    REQUEST = 10
+    RESPONSE = 11
+    ERROR = 12
+    CANCEL = 13
+    SHUTDOWN = 14
+    RELEASE = 15
+
+
+KNOWN_KINDS: Final = frozenset(int(k) for k in Kind)
+HANDSHAKE_KINDS: Final = frozenset({Kind.HELLO, Kind.CHALLENGE, Kind.AUTH, Kind.WELCOME})
