@@ -28,6 +28,8 @@ import contextvars
 import itertools
 import logging
 import os
+import threading
+from collections import deque
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,16 +37,11 @@ from typing import Any
 
 import torch
 
-from asyncrpc.agent.dispatch import (
-    function_name,
-    is_async_execution,
-    pack_error,
-    runs_on_loop,
-    unpack_error,
-)
+from asyncrpc.agent.dispatch import Placement, describe, pack_error, unpack_error
 from asyncrpc.agent.worker import WorkerAddress, WorkerInfo
 from asyncrpc.errors import (
     AgentStateError,
+    HandshakeError,
     PeerLostError,
     RPCTimeoutError,
     SerializationError,
@@ -112,6 +109,9 @@ class RpcAgent:
         self._pending: dict[int, PendingCall] = {}
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Future[Any]] = set()
+        self._completions: deque[tuple[Link, int, str, bool, Any]] = deque()
+        self._completions_lock = threading.Lock()
+        self._drain_scheduled = False
         self._idle = asyncio.Event()
         self._idle.set()
         self._peers_done: set[str] = set()
@@ -219,7 +219,7 @@ class RpcAgent:
         """Start a call; returns a future for its result.  Must run on the loop thread."""
         self._check_usable()
         peer = self.resolve(to).name
-        name = function_name(func)
+        name = describe(func)[1]
         payload, buffers = dumps((func, args, kwargs or {}))
         call_id = next(self._ids)
         call = PendingCall(self._loop.create_future(), peer, name,
@@ -268,6 +268,11 @@ class RpcAgent:
         except TimeoutError:
             raise PeerLostError(f"timed out connecting to worker {peer!r} at {address}",
                                 worker=peer) from None
+        except (ConnectionError, HandshakeError) as exc:
+            if isinstance(exc, PeerLostError) and exc.details.get("worker") == peer:
+                raise
+            raise PeerLostError(f"cannot connect to worker {peer!r} at {address}: {exc}",
+                                worker=peer) from exc
         if link.peer.name != peer:
             link.abort(PeerLostError(f"{address} is {link.peer.name!r}, not {peer!r}"))
             raise PeerLostError(f"worker {peer!r} is not at {address}", worker=peer)
@@ -341,33 +346,46 @@ class RpcAgent:
             self._reply_error(link, call_id, name, failure)
             return
         inbound = self._inbound[link]
-        if is_async_execution(func):
-            self._start_async_execution(link, call_id, name, func, args, kwargs)
-        elif runs_on_loop(func):
+        placement = describe(func)[0]
+        if placement is Placement.THREAD:
+            inbound.running[call_id] = None
+            self._executor.submit(self._context.copy().run, self._run_in_thread,
+                                  link, call_id, name, func, args, kwargs)
+        elif placement is Placement.LOOP:
             task = self._loop.create_task(func(*args, **kwargs), context=self._context.copy())
             inbound.running[call_id] = task
             task.add_done_callback(lambda t: self._reply_future(link, call_id, name, t))
         else:
-            job = self._loop.run_in_executor(
-                self._executor, self._context.copy().run, self._run_in_thread,
-                link, call_id, func, args, kwargs)
-            inbound.running[call_id] = None
-            job.add_done_callback(lambda j: self._reply_parts(link, call_id, name, j))
+            self._start_async_execution(link, call_id, name, func, args, kwargs)
         self._apply_backpressure(link, inbound)
 
-    def _run_in_thread(self, link: Link, call_id: int, func: Callable[..., Any],
-                       args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:
-        """Run a plain function in a pool thread, and serialise its reply there too."""
+    def _run_in_thread(self, link: Link, call_id: int, name: str, func: Callable[..., Any],
+                       args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Run a plain function in a pool thread; its reply is serialised there too."""
         try:
             result = func(*args, **kwargs)
-            return True, link.encode(Kind.RESPONSE, {"i": call_id}, *dumps(result))
+            outcome: tuple[bool, Any] = (
+                True, link.encode(Kind.RESPONSE, {"i": call_id}, *dumps(result)))
         except BaseException as exc:
-            return False, exc
+            outcome = (False, exc)
+        self._completions.append((link, call_id, name, *outcome))
+        with self._completions_lock:
+            if self._drain_scheduled:
+                return
+            self._drain_scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._drain_completions)
+        except RuntimeError:
+            pass  # the loop is closed: the agent shut down, the caller was told
 
-    def _reply_parts(self, link: Link, call_id: int, name: str,
-                     job: asyncio.Future[tuple[bool, Any]]) -> None:
-        if self._retire(link, call_id) and not job.cancelled():
-            ok, value = job.result()
+    def _drain_completions(self) -> None:
+        """Send the replies of pool-thread calls: one loop wake-up for a whole batch."""
+        with self._completions_lock:
+            self._drain_scheduled = False
+        while self._completions:
+            link, call_id, name, ok, value = self._completions.popleft()
+            if not self._retire(link, call_id):
+                continue
             if ok:
                 link.write(value)
             else:

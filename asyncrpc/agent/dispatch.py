@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import inspect
 import traceback
+import types
 from collections.abc import Callable
+from enum import Enum, auto
 from typing import Any, TypeVar
 
 from asyncrpc.errors import RemoteError
@@ -44,15 +46,37 @@ def async_execution(fn: F) -> F:
     return fn
 
 
-def is_async_execution(fn: Any) -> bool:
-    return bool(getattr(fn, _MARK, False))
+class Placement(Enum):
+    """Where an incoming call runs."""
+
+    THREAD = auto()  # plain callables: the worker's thread pool
+    LOOP = auto()  # async def: a task on the event loop
+    AWAITABLE = auto()  # @async_execution: on the loop, reply when its awaitable completes
 
 
-def runs_on_loop(fn: Any) -> bool:
-    """Whether ``fn`` runs on the event loop (coroutine functions)."""
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)  # noqa: B004 - async callables
-    )
+_CACHEABLE = (types.FunctionType, types.BuiltinFunctionType)
+_placements: dict[Any, tuple[Placement, str]] = {}
+
+
+def describe(fn: Any) -> tuple[Placement, str]:
+    """Where ``fn`` runs and its readable name; cached for plain functions and builtins."""
+    cached = _placements.get(fn) if isinstance(fn, _CACHEABLE) else None
+    if cached is not None:
+        return cached
+    found = (_placement(fn), function_name(fn))
+    if isinstance(fn, _CACHEABLE):
+        _placements[fn] = found
+    return found
+
+
+def _placement(fn: Any) -> Placement:
+    if getattr(fn, _MARK, False):
+        return Placement.AWAITABLE
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - instances with an async __call__
+    ):
+        return Placement.LOOP
+    return Placement.THREAD
 
 
 def function_name(fn: Any) -> str:

@@ -30,6 +30,7 @@ No asyncio, no sockets, nothing but bytes: every split point is testable.
 from __future__ import annotations
 
 import struct
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -111,13 +112,24 @@ def encode_frame(
         raise LocalProtocolError(
             f"frame of {total} bytes exceeds the maximum frame size of {max_frame_size} bytes"
         )
-    header = msgpack.packb([kind, meta, len(payload), descriptors], use_bin_type=True)
+    header = _packer().pack([kind, meta, len(payload), descriptors])
     if len(header) > MAX_HEADER_SIZE:
         raise LocalProtocolError(f"frame header of {len(header)} bytes exceeds {MAX_HEADER_SIZE}")
     head = PRELUDE.pack(MAGIC, 0, len(header)) + header
     if len(payload) <= SMALL_PAYLOAD:
         return [head + payload, *inline]
     return [head, payload, *inline]
+
+
+_local = threading.local()
+
+
+def _packer() -> msgpack.Packer:
+    """One Packer per thread: ``msgpack.packb`` would allocate a 1 MiB buffer per call."""
+    packer: msgpack.Packer | None = getattr(_local, "packer", None)
+    if packer is None:
+        packer = _local.packer = msgpack.Packer(use_bin_type=True)
+    return packer
 
 
 @dataclass(slots=True)
@@ -230,25 +242,24 @@ class FrameDecoder:
         if self._staged() < PRELUDE.size + header_len:
             return False
         begin = self._start + PRELUDE.size
-        raw = bytes(self._view[begin : begin + header_len])
+        self._partial = self._validate_header(self._view[begin : begin + header_len])
         self._start = begin + header_len
-        self._partial = self._validate_header(raw)
         return True
 
-    def _validate_header(self, raw: bytes) -> _Partial:
+    def _validate_header(self, raw: memoryview) -> _Partial:
         try:
             header = msgpack.unpackb(raw, raw=False, use_list=True)
         except Exception as exc:
             raise RemoteProtocolError(f"undecodable frame header: {exc}") from exc
-        if not (isinstance(header, list) and len(header) == 4):
+        if type(header) is not list or len(header) != 4:
             raise RemoteProtocolError("frame header is not a 4-item array")
         kind, meta, payload_len, descriptors = header
         if kind not in KNOWN_KINDS:
             raise RemoteProtocolError(f"unknown message kind {kind!r}")
-        if not isinstance(meta, dict) or not isinstance(descriptors, list):
+        if type(meta) is not dict or type(descriptors) is not list:
             raise RemoteProtocolError("malformed frame header fields")
-        sizes = [payload_len, *(self._descriptor_size(d) for d in descriptors)]
-        if not all(isinstance(s, int) and s >= 0 for s in sizes):
+        sizes = [payload_len, *[self._descriptor_size(d) for d in descriptors]]
+        if not all(type(s) is int and s >= 0 for s in sizes):
             raise RemoteProtocolError(f"invalid lengths in frame header: {sizes!r}")
         if sum(sizes) > self.max_frame_size:
             raise RemoteProtocolError(

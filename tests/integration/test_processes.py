@@ -1,0 +1,101 @@
+"""Real multi-process jobs on loopback, over tcp and unix, on uvloop and asyncio."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.cluster import run_job
+
+pytestmark = pytest.mark.timeout(120)
+
+COMBOS = [
+    pytest.param("uvloop", "unix", id="uvloop-unix"),
+    pytest.param("uvloop", "tcp", id="uvloop-tcp"),
+    pytest.param("asyncio", "unix", id="asyncio-unix"),
+    pytest.param("asyncio", "tcp", id="asyncio-tcp"),
+]
+
+
+@pytest.mark.parametrize(("loop", "transport"), COMBOS)
+def test_basics(loop: str, transport: str) -> None:
+    seen = run_job("basics", loop=loop, transport=transport)[0].result
+
+    assert seen["torch_add"] == [2.0, 2.0, 2.0]
+    assert seen["coroutines"] == 2 * sum(range(1000))
+    assert seen["by_rank"] == seen["by_info"] == "w1"
+    assert seen["to_self"] == "w0"
+    assert seen["kwargs"] == 3
+    assert seen["nested"] == "w1<-w0"
+    assert seen["rpc_sync_in_thread"] == 42
+    assert seen["rpc_sync_on_loop"]["error"] == "AgentStateError"
+    assert "event loop thread" in seen["rpc_sync_on_loop"]["message"]
+    assert seen["worker_info"] == [1, "w1"]
+    debug = seen["debug"]
+    assert debug["pending_outgoing_calls"] == 0
+    assert "w1" in debug["connected_peers"]
+    assert "running_incoming_calls" in debug
+
+
+@pytest.mark.parametrize(("loop", "transport"), COMBOS[:2])
+def test_errors_name_worker_function_and_cause(loop: str, transport: str) -> None:
+    seen = run_job("basics", loop=loop, transport=transport)[0].result
+
+    remote = seen["remote_value_error"]
+    assert remote["error"] == "ValueError" and remote["message"] == "boom"
+    assert remote["remote_worker"] == "w1"
+    assert "fail" in remote["remote_traceback"] and "ValueError: boom" in remote["remote_traceback"]
+
+    stand_in = seen["remote_unpicklable_error"]
+    assert stand_in["error"] == "RemoteError" and "UnpicklableError" in stand_in["message"]
+
+    assert seen["unpicklable_result"]["error"] in ("SerializationError", "RemoteError")
+    assert "lock" in seen["unpicklable_result"]["message"]
+    assert seen["unpicklable_argument"]["error"] == "SerializationError"
+    assert seen["unknown_worker"]["error"] == "UnknownWorkerError"
+    assert "nobody" in seen["unknown_worker"]["message"]
+
+    unknown = seen["unknown_function"]
+    assert unknown["error"] == "SerializationError"
+    assert "w1" in unknown["message"] and "only_on_caller" in unknown["message"]
+
+    for key in ("timeout", "thread_timeout"):
+        assert seen[key]["error"] == "RPCTimeoutError" and seen[key]["timeout"]
+        assert "w1" in seen[key]["message"]
+    assert seen["alive_after_errors"] == "w1"
+
+
+def test_tensors_and_async_execution() -> None:
+    seen = run_job("basics")[0].result
+    tensor_checks = {k: v for k, v in seen.items() if k.startswith("tensor_")}
+    assert tensor_checks and all(tensor_checks.values()), tensor_checks
+    assert seen["requires_grad_kept"] is True
+    assert seen["nested_containers"] == [1.0, 1.0, 0.0]
+    assert sorted(seen["batched"]) == [6] * 4 + [22] * 4
+    assert seen["torch_future"] == [2.0, 2.0]
+    assert seen["coroutine_awaitable"] == 6.0
+
+
+def test_peer_killed_mid_call_fails_pending_calls_at_once() -> None:
+    w0, _ = run_job("peer_killed", expect_exit={1: -9})
+    seen = w0.result
+    for key in ("killed", "in_flight", "later_call"):
+        assert seen[key]["error"] == "PeerLostError", seen[key]
+        assert seen[key]["connection"] and "w1" in seen[key]["message"]
+    assert seen["elapsed"] < 10  # the in-flight call's own timeout was 30 s
+    assert seen["pending_after"] == 0
+    assert seen["shutdown_seconds"] < 10
+
+
+def test_bad_input_drops_only_that_connection() -> None:
+    seen = run_job("bad_input")[0].result
+    for attack in ("garbage", "oversized_header", "truncated", "request_before_handshake"):
+        assert seen[attack] == "closed", (attack, seen[attack])
+    assert seen["wrong_secret"]["connection"], seen["wrong_secret"]
+    assert seen["still_serving"] == "w1"
+
+
+def test_graceful_shutdown_waits_for_peers() -> None:
+    workers = run_job("graceful_shutdown")
+    assert workers[0].result["results"] == [2 * i for i in range(20)]
+    assert all(w.result["state"] == "closed" for w in workers)
+    assert all("Traceback" not in w.stderr and "Warning" not in w.stderr for w in workers)

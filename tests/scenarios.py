@@ -1,0 +1,353 @@
+"""What the workers of integration-test jobs do (see tests/cluster.py).
+
+Remote functions live here too, at module level, so they travel by reference
+(``tests.scenarios.NAME``) as user code would.  Each scenario returns plain
+observations; the tests make the assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import asyncrpc
+from asyncrpc.functions import async_execution
+
+
+@dataclass
+class Config:
+    rank: int
+    world: int
+    port: int
+    transport: str
+
+    @property
+    def name(self) -> str:
+        return f"w{self.rank}"
+
+    async def join(self, **options: Any) -> None:
+        transports = ("unix", "tcp") if self.transport == "unix" else ("tcp",)
+        options.setdefault("transports", transports)
+        await asyncrpc.init_rpc(self.name, rank=self.rank, world_size=self.world,
+                                init_method=f"tcp://127.0.0.1:{self.port}", **options)
+
+
+# -- remote functions -------------------------------------------------------------
+
+
+def add(a: Any, b: Any) -> Any:
+    return a + b
+
+
+async def double(x: Any) -> Any:
+    await asyncio.sleep(0)
+    return 2 * x
+
+
+def echo(x: Any) -> Any:
+    return x
+
+
+def whoami() -> str:
+    return asyncrpc.get_worker_info().name
+
+
+async def ask_back(to: str) -> str:
+    """A nested call: the callee calls another worker before answering."""
+    return f"{asyncrpc.get_worker_info().name}<-{await asyncrpc.rpc_async(to, whoami)}"
+
+
+def sync_from_thread(to: str) -> Any:
+    """Runs in the callee's thread pool and uses the blocking API from there."""
+    return asyncrpc.rpc_sync(to, add, args=(20, 22))
+
+
+def fail(message: str) -> None:
+    raise ValueError(message)
+
+
+class UnpicklableError(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+def fail_unpicklably() -> None:
+    raise UnpicklableError("carries a lock")
+
+
+def return_unpicklable() -> Any:
+    return threading.Lock()
+
+
+async def sleep_for(seconds: float) -> float:
+    await asyncio.sleep(seconds)
+    return seconds
+
+
+def block_for(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@async_execution
+def torch_future_double(x: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    threading.Thread(target=lambda: future.set_result(x * 2)).start()
+    return future
+
+
+@async_execution
+def coroutine_triple(x: int) -> Any:
+    return double(x * 1.5)
+
+
+class Batcher:
+    """The tutorial's batching pattern: N callers wait until the batch is full."""
+
+    size = 4
+    pending: list[int] = []  # noqa: RUF012
+    future: asyncio.Future[int] | None = None
+
+    @staticmethod
+    @async_execution
+    def push(value: int) -> asyncio.Future[int]:
+        if Batcher.future is None:
+            Batcher.future = asyncio.get_running_loop().create_future()
+        future = Batcher.future
+        Batcher.pending.append(value)
+        if len(Batcher.pending) == Batcher.size:
+            future.set_result(sum(Batcher.pending))
+            Batcher.pending, Batcher.future = [], None
+        return future
+
+
+# -- helpers ------------------------------------------------------------------------
+
+
+async def outcome(awaitable: Any) -> dict[str, Any]:
+    """What a call produced: its value, or its error's type, message and ancestry."""
+    try:
+        return {"value": await awaitable}
+    except BaseException as exc:  # noqa: BLE001 - observing every outcome is the point
+        return {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "timeout": isinstance(exc, TimeoutError),
+            "connection": isinstance(exc, ConnectionError),
+            "asyncrpc": isinstance(exc, asyncrpc.AsyncRPCError),
+            "remote_worker": getattr(exc, "remote_worker", None),
+            "remote_traceback": getattr(exc, "remote_traceback", None),
+        }
+
+
+def raises(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001
+        return {"error": type(exc).__name__, "message": str(exc)}
+    return {"error": None}
+
+
+# -- scenarios ------------------------------------------------------------------------
+
+
+async def basics(cfg: Config) -> dict[str, Any]:
+    """Rank 0 exercises the API against rank 1; rank 1 serves."""
+    await cfg.join(rpc_timeout=20)
+    seen: dict[str, Any] = {}
+    if cfg.rank == 0:
+        seen.update(await _calls(cfg))
+        seen.update(await _errors())
+        seen.update(await _tensors())
+        seen.update(await _async_execution())
+        seen["debug"] = asyncrpc.get_debug_info()
+    await asyncrpc.shutdown()
+    return seen
+
+
+async def _calls(cfg: Config) -> dict[str, Any]:
+    y = await asyncrpc.rpc_async("w1", torch.add, args=(torch.ones(3), 1))
+    many = await asyncio.gather(*(asyncrpc.rpc_async("w1", double, args=(i,))
+                                  for i in range(1000)))
+    info = asyncrpc.get_worker_info("w1")
+    return {
+        "torch_add": y.tolist(),
+        "coroutines": sum(many),
+        "by_rank": await asyncrpc.rpc_async(1, whoami),
+        "by_info": await asyncrpc.rpc_async(info, whoami),
+        "to_self": await asyncrpc.rpc_async("w0", whoami),
+        "kwargs": await asyncrpc.rpc_async("w1", add, kwargs={"a": 1, "b": 2}),
+        "nested": await asyncrpc.rpc_async("w1", ask_back, args=("w0",)),
+        "rpc_sync_in_thread": await asyncrpc.rpc_async("w1", sync_from_thread, args=("w0",)),
+        "rpc_sync_on_loop": raises(asyncrpc.rpc_sync, "w1", whoami),
+        "worker_info": [info.id, info.name],
+    }
+
+
+async def _errors() -> dict[str, Any]:
+    return {
+        "remote_value_error": await outcome(asyncrpc.rpc_async("w1", fail, args=("boom",))),
+        "remote_unpicklable_error": await outcome(asyncrpc.rpc_async("w1", fail_unpicklably)),
+        "unpicklable_result": await outcome(asyncrpc.rpc_async("w1", return_unpicklable)),
+        "unpicklable_argument": raises(asyncrpc.rpc_async, "w1", echo,
+                                       args=(threading.Lock(),)),
+        "unknown_worker": raises(asyncrpc.rpc_async, "nobody", whoami),
+        "unknown_function": await outcome(asyncrpc.rpc_async("w1", _only_here())),
+        "timeout": await outcome(asyncrpc.rpc_async("w1", sleep_for, args=(30,), timeout=0.3)),
+        "thread_timeout": await outcome(asyncrpc.rpc_async("w1", block_for, args=(2,),
+                                                           timeout=0.3)),
+        "alive_after_errors": await asyncrpc.rpc_async("w1", whoami),
+    }
+
+
+def _only_here() -> Any:
+    """A function that exists on the caller only (registered at run time)."""
+
+    def only_on_caller() -> None:
+        return None
+
+    only_on_caller.__qualname__ = "only_on_caller"
+    globals()["only_on_caller"] = only_on_caller
+    return only_on_caller
+
+
+async def _tensors() -> dict[str, Any]:
+    samples = {
+        "float32": torch.randn(5, 7),
+        "float64_transposed": torch.randn(4, 3, dtype=torch.float64).t(),
+        "bfloat16": torch.randn(6).to(torch.bfloat16),
+        "complex64": torch.randn(3, dtype=torch.complex64),
+        "bool": torch.tensor([True, False, True]),
+        "int64_scalar": torch.tensor(7),
+        "empty": torch.empty(0, 4),
+        "view_of_big": torch.arange(1_000_000.0)[10:20],
+        "strided_slice": torch.arange(100.0).reshape(10, 10)[:, ::3],
+        "large_8mb": torch.randn(2 * 1024 * 1024),
+    }
+    seen = {}
+    for name, t in samples.items():
+        back = await asyncrpc.rpc_async("w1", echo, args=(t,))
+        seen[f"tensor_{name}"] = bool(torch.equal(back, t)) and back.dtype == t.dtype
+    grad = await asyncrpc.rpc_async("w1", echo, args=(torch.ones(2, requires_grad=True),))
+    seen["requires_grad_kept"] = grad.requires_grad
+    nested = await asyncrpc.rpc_async("w1", echo, args=({"a": [torch.ones(2), (torch.zeros(1),)]},))
+    seen["nested_containers"] = nested["a"][0].tolist() + nested["a"][1][0].tolist()
+    return seen
+
+
+async def _async_execution() -> dict[str, Any]:
+    batch = await asyncio.gather(*(asyncrpc.rpc_async("w1", Batcher.push, args=(i,))
+                                   for i in range(8)))
+    return {
+        "batched": batch,
+        "torch_future": (await asyncrpc.rpc_async("w1", torch_future_double,
+                                                  args=(torch.ones(2),))).tolist(),
+        "coroutine_awaitable": await asyncrpc.rpc_async("w1", coroutine_triple, args=(2,)),
+    }
+
+
+async def peer_killed(cfg: Config) -> dict[str, Any]:
+    """Rank 1 dies (SIGKILL) in the middle of a call from rank 0."""
+    await cfg.join(rpc_timeout=30)
+    seen: dict[str, Any] = {}
+    if cfg.rank == 0:
+        slow = asyncrpc.rpc_async("w1", sleep_for, args=(25,))
+        started = time.monotonic()
+        seen["killed"] = await outcome(asyncrpc.rpc_async("w1", die))
+        seen["in_flight"] = await outcome(slow)
+        seen["elapsed"] = time.monotonic() - started
+        seen["later_call"] = await outcome(asyncrpc.rpc_async("w1", whoami))
+        seen["pending_after"] = asyncrpc.get_debug_info()["pending_outgoing_calls"]
+        started = time.monotonic()
+        await asyncrpc.shutdown(timeout=20)
+        seen["shutdown_seconds"] = time.monotonic() - started
+    else:
+        await asyncio.sleep(60)  # killed long before
+    return seen
+
+
+async def bad_input(cfg: Config) -> dict[str, Any]:
+    """Rank 0 throws garbage at rank 1's listener; rank 1 must keep serving."""
+    await cfg.join(rpc_timeout=20)
+    seen: dict[str, Any] = {}
+    if cfg.rank == 0:
+        from asyncrpc.agent import current_agent
+
+        agent = current_agent()
+        assert agent is not None
+        address = agent.resolve("w1").addresses["tcp"].removeprefix("tcp://")
+        host, port = address.rsplit(":", 1)
+        attacks = {
+            "garbage": b"\x00\xffnot a frame at all" * 50,
+            "oversized_header": struct.pack("<HHI", 0xA5C1, 0, 1 << 30),
+            "truncated": struct.pack("<HHI", 0xA5C1, 0, 40) + b"\x94\x01",
+            "request_before_handshake": _unauthenticated_request(),
+        }
+        for name, data in attacks.items():
+            seen[name] = await asyncio.to_thread(_send_raw, host, int(port), data)
+        seen["wrong_secret"] = await _wrong_secret_dial(agent.resolve("w1"))
+        seen["still_serving"] = await asyncrpc.rpc_async("w1", whoami)
+    await asyncrpc.shutdown()
+    return seen
+
+
+def _unauthenticated_request() -> bytes:
+    from asyncrpc.serde import dumps
+    from asyncrpc.wire import Kind, encode_frame
+
+    payload, _ = dumps((os.system, ("echo pwned",), {}))
+    return b"".join(bytes(p) for p in encode_frame(Kind.REQUEST, {"i": 1, "f": "x"}, payload))
+
+
+def _send_raw(host: str, port: int, data: bytes) -> str:
+    """Send bytes, then report how the worker reacted: it should close on us."""
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+        try:
+            reply = sock.recv(1 << 16)
+        except OSError as exc:
+            return f"error:{exc}"
+        return "closed" if reply == b"" else f"replied {len(reply)} bytes"
+
+
+async def _wrong_secret_dial(target: Any) -> dict[str, Any]:
+    from asyncrpc.agent import AgentOptions, RpcAgent
+
+    intruder = RpcAgent("intruder", 99, b"not the job secret", AgentOptions(transports=("tcp",)))
+    await intruder.start()
+    intruder.join([intruder.address, target])
+    result = await outcome(intruder.rpc_async(target.name, whoami, timeout=10))
+    await intruder.shutdown(graceful=False)
+    return result
+
+
+async def graceful_shutdown(cfg: Config) -> dict[str, Any]:
+    """Rank 1 calls shutdown at once; rank 0 still calls it for a while and must succeed."""
+    await cfg.join(rpc_timeout=30)
+    seen: dict[str, Any] = {}
+    if cfg.rank == 0:
+        results = []
+        for i in range(20):
+            results.append(await asyncrpc.rpc_async("w1", double, args=(i,)))
+            await asyncio.sleep(0.01)  # pacing the caller, not synchronising anything
+        seen["results"] = results
+    started = time.monotonic()
+    await asyncrpc.shutdown()
+    seen["shutdown_seconds"] = time.monotonic() - started
+    seen["state"] = "closed"
+    return seen
