@@ -65,7 +65,7 @@ def is_plain(tensor: torch.Tensor) -> bool:
 def dump_tensor(tensor: torch.Tensor) -> tuple[TensorMeta, memoryview]:
     """Split a tensor into header meta and a zero-copy view of its bytes."""
     device = str(tensor.device)
-    data = tensor.detach()
+    data = tensor.detach().resolve_conj().resolve_neg()  # lazy bits are not in the bytes
     if data.device.type != "cpu":
         data = data.cpu()
     if _span(data) > data.numel():

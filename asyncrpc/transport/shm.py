@@ -22,10 +22,10 @@ Idle segments beyond ``max_idle_bytes`` are closed, largest first.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import threading
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
@@ -49,14 +49,44 @@ def host_identity() -> str:
     return f"{boot}:{pidns}:{os.getuid()}"
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class _Mapping:
+    """One ``mmap`` of a descriptor, made through libc so that it holds no descriptor
+    (Python's ``mmap.mmap`` keeps a duplicate open for the mapping's whole life).
+    Unmapped when this object is collected; ``on_unmap`` runs then."""
+
+    def __init__(self, fd: int, nbytes: int, on_unmap: Callable[[], None] | None = None) -> None:
+        flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
+        address = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+        if address in (None, _MAP_FAILED):
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"mmap of {nbytes} bytes failed: {os.strerror(errno)}")
+        self.address, self.nbytes, self._on_unmap = address, nbytes, on_unmap
+        array = (ctypes.c_char * nbytes).from_address(address)
+        array._mapping = self  # type: ignore[attr-defined]  # the view keeps us alive
+        self.view = memoryview(array).cast("B")
+
+    def __del__(self) -> None:
+        _libc.munmap(self.address, self.nbytes)
+        if self._on_unmap is not None:
+            self._on_unmap()
+
+
 @dataclass(slots=True)
 class _Segment:
     fd: int
     capacity: int
-    memory: mmap.mmap
+    memory: memoryview
 
     def close(self) -> None:
-        self.memory.close()
+        self.memory.release()
         os.close(self.fd)
 
 
@@ -134,15 +164,18 @@ def _create_segment(nbytes: int) -> _Segment:
     fd = os.memfd_create("asyncrpc-segment", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, capacity)
-        memory = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        memory = _Mapping(fd, capacity).view
     except BaseException:
         os.close(fd)
         raise
     return _Segment(fd, capacity, memory)
 
 
-def map_segment(pid: int, ref: ExternalRef, on_release: Callable[[int], None]) -> mmap.mmap:
-    """The receiver's side: map the sender's segment; ``on_release(key)`` runs at unmap."""
+def map_segment(pid: int, ref: ExternalRef, on_release: Callable[[int], None]) -> memoryview:
+    """The receiver's side: map the sender's segment as a writable byte view.
+
+    The view (and whatever is built on it, e.g. a tensor) keeps the mapping alive;
+    ``on_release(key)`` runs once the last of them is gone and it is unmapped."""
     path = f"/proc/{pid}/fd/{ref.key}"
     try:
         fd = os.open(path, os.O_RDWR)
@@ -153,8 +186,7 @@ def map_segment(pid: int, ref: ExternalRef, on_release: Callable[[int], None]) -
             raise RemoteProtocolError(f"{path} is not an asyncrpc segment")
         if not 0 < ref.nbytes <= os.fstat(fd).st_size:
             raise RemoteProtocolError(f"segment {path} does not hold {ref.nbytes} bytes")
-        memory = mmap.mmap(fd, ref.nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        mapping = _Mapping(fd, ref.nbytes, lambda: on_release(ref.key))
     finally:
         os.close(fd)
-    weakref.finalize(memory, on_release, ref.key)
-    return memory
+    return mapping.view

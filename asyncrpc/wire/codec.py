@@ -107,7 +107,7 @@ def encode_frame(
         else:
             descriptors.append(buf.nbytes)
             inline.append(buf)
-    total = len(payload) + sum(v.nbytes for v in inline)
+    total = len(payload) + sum(b.nbytes for b in buffers)
     if total > max_frame_size:
         raise LocalProtocolError(
             f"frame of {total} bytes exceeds the maximum frame size of {max_frame_size} bytes"
@@ -254,7 +254,7 @@ class FrameDecoder:
         if type(header) is not list or len(header) != 4:
             raise RemoteProtocolError("frame header is not a 4-item array")
         kind, meta, payload_len, descriptors = header
-        if kind not in KNOWN_KINDS:
+        if type(kind) is not int or kind not in KNOWN_KINDS:
             raise RemoteProtocolError(f"unknown message kind {kind!r}")
         if type(meta) is not dict or type(descriptors) is not list:
             raise RemoteProtocolError("malformed frame header fields")

@@ -143,9 +143,12 @@ class Handshake:
         nonce = meta["nonce"]
         if not isinstance(nonce, bytes) or len(nonce) != 32:
             raise HandshakeError("handshake nonce must be 32 bytes")
+        name, rank, pid, host = meta["name"], meta["rank"], meta["pid"], meta["host"]
+        if not (type(name) is str and type(rank) is int and type(pid) is int
+                and type(host) is str):
+            raise HandshakeError("malformed peer identity in handshake")
         self._peer_nonce = nonce
-        self.peer = Identity(str(meta["name"]), int(meta["rank"]), int(meta["pid"]),
-                             str(meta["host"]))
+        self.peer = Identity(name, rank, pid, host)
 
     def _names(self) -> tuple[str, str]:
         assert self.peer is not None

@@ -1,0 +1,125 @@
+"""Settings and helpers shared by the benchmark driver and its worker processes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MB = 1 << 20
+CALLER = "w0"
+CALLEE = "w1"
+Results = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """How much work each workload does; ``quick`` is the smoke-test size."""
+
+    warmup_calls: int
+    batches: int
+    calls_per_batch: int
+    window: int
+    pipelined_warmup: int
+    pipelined_calls: int
+    pipelined_repeats: int
+    sizes_mb: tuple[int, ...]
+    echo_repeats: tuple[int, ...]
+    rpc_timeout: float
+    step_timeout: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+FULL = Config(
+    warmup_calls=500,
+    batches=5,
+    calls_per_batch=2000,
+    window=256,
+    pipelined_warmup=2000,
+    pipelined_calls=20_000,
+    pipelined_repeats=3,
+    sizes_mb=(4, 64, 400),
+    echo_repeats=(20, 10, 5),
+    rpc_timeout=120.0,
+    step_timeout=150.0,
+)
+
+QUICK = Config(
+    warmup_calls=50,
+    batches=3,
+    calls_per_batch=200,
+    window=256,
+    pipelined_warmup=256,
+    pipelined_calls=2000,
+    pipelined_repeats=1,
+    sizes_mb=(4,),
+    echo_repeats=(5,),
+    rpc_timeout=30.0,
+    step_timeout=30.0,
+)
+
+
+def config(quick: bool) -> Config:
+    return QUICK if quick else FULL
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerArgs:
+    """Command line of a worker process (see ``bench_rpc.spawn_worker``)."""
+
+    rank: int
+    port: int
+    out: Path
+    quick: bool
+
+    @property
+    def init_method(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+
+def parse_worker_args(argv: Sequence[str] | None = None) -> WorkerArgs:
+    parser = argparse.ArgumentParser(description="one benchmark worker (started by bench_rpc.py)")
+    parser.add_argument("rank", type=int, choices=(0, 1))
+    parser.add_argument("port", type=int)
+    parser.add_argument("out", type=Path, help="where rank 0 writes its results (JSON)")
+    parser.add_argument("--quick", action="store_true")
+    ns = parser.parse_args(argv)
+    return WorkerArgs(ns.rank, ns.port, ns.out, ns.quick)
+
+
+def make_tensor(nbytes: int) -> torch.Tensor:
+    """A float32 tensor of ``nbytes`` bytes with recognisable values at both ends."""
+    tensor = torch.ones(nbytes // 4, dtype=torch.float32)
+    tensor[0], tensor[-1] = 3.0, 7.0
+    return tensor
+
+
+def check_echo(sent: torch.Tensor, received: object) -> None:
+    """Fail loudly if an echo did not bring the same tensor back."""
+    if not isinstance(received, torch.Tensor) or not torch.equal(sent, received):
+        raise AssertionError("echo returned a different value than it was sent")
+
+
+def ns_to_us(elapsed_ns: int, calls: int) -> float:
+    return elapsed_ns / calls / 1e3
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def summary(samples: list[float]) -> Results:
+    """A measurement: its median and the samples it was taken from."""
+    return {"median": median(samples), "samples": samples}
+
+
+def write_results(path: Path, results: Results) -> None:
+    path.write_text(json.dumps(results, indent=2, sort_keys=True))

@@ -1,0 +1,46 @@
+"""Functions the benchmark calls remotely.
+
+Both RPC frameworks send functions by reference (module and qualified name), so
+these live at the top level of a module that both worker processes can import:
+every worker runs a script from this directory, which puts it on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+from torch.distributed import rpc
+
+
+def noop() -> None:
+    """A plain function: the callee runs it in its thread pool."""
+    return None
+
+
+async def coro_noop() -> None:
+    """A coroutine function: asyncrpc runs it on the callee's event loop."""
+    return None
+
+
+@rpc.functions.async_execution  # type: ignore[untyped-decorator]
+def completed_future() -> torch.futures.Future[None]:
+    """torch's closest match to a coroutine no-op: an already-completed Future."""
+    future: torch.futures.Future[None] = torch.futures.Future()
+    future.set_result(None)
+    return future
+
+
+def echo(x: torch.Tensor) -> torch.Tensor:
+    """Send the argument straight back."""
+    return x
+
+
+def peak_rss_kb() -> int:
+    """The callee's peak resident set size so far, in KiB (Linux ``ru_maxrss``)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def peak_rss_kb_after_receiving(x: torch.Tensor) -> int:
+    """Peak RSS (KiB) once ``x`` has been received and rebuilt; ``x`` is not sent back."""
+    return peak_rss_kb()

@@ -1,0 +1,138 @@
+"""One torch.distributed.rpc (TensorPipe) worker of the benchmark; see bench_rpc.py.
+
+Rank 0 drives every workload against rank 1 and writes its numbers as JSON;
+rank 1 only serves.  Both leave through the graceful ``rpc.shutdown``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from typing import Any
+
+import _remote_fns as fns
+import torch
+from _common import (
+    CALLEE,
+    MB,
+    Config,
+    Results,
+    check_echo,
+    config,
+    make_tensor,
+    ns_to_us,
+    parse_worker_args,
+    summary,
+    write_results,
+)
+from torch.distributed import rpc
+
+
+def latency_us(cfg: Config, func: Any) -> Results:
+    """Mean per-call time of sequential ``rpc_sync`` calls, for each of ``cfg.batches`` batches."""
+    for _ in range(cfg.warmup_calls):
+        rpc.rpc_sync(CALLEE, func)
+    per_call = []
+    for _ in range(cfg.batches):
+        start = time.perf_counter_ns()
+        for _ in range(cfg.calls_per_batch):
+            rpc.rpc_sync(CALLEE, func)
+        per_call.append(ns_to_us(time.perf_counter_ns() - start, cfg.calls_per_batch))
+    return summary(per_call)
+
+
+def run_window(cfg: Config, calls: int) -> float:
+    """Issue ``calls`` no-op calls with ``cfg.window`` in flight; returns calls per second."""
+    slots = threading.Semaphore(cfg.window)
+    errors: list[BaseException] = []
+
+    def done(future: torch.futures.Future[None]) -> None:
+        try:
+            future.wait()
+        except BaseException as exc:
+            errors.append(exc)
+        slots.release()
+
+    def take_slot() -> None:
+        if not slots.acquire(timeout=cfg.rpc_timeout):
+            raise TimeoutError(f"no reply within {cfg.rpc_timeout}s with a full window")
+
+    start = time.perf_counter_ns()
+    for _ in range(calls):
+        take_slot()
+        rpc.rpc_async(CALLEE, fns.noop).add_done_callback(done)
+    for _ in range(cfg.window):
+        take_slot()
+    elapsed = time.perf_counter_ns() - start
+    if errors:
+        raise errors[0]
+    return calls / (elapsed / 1e9)
+
+
+def pipelined_rate(cfg: Config) -> Results:
+    run_window(cfg, cfg.pipelined_warmup)
+    return summary([run_window(cfg, cfg.pipelined_calls) for _ in range(cfg.pipelined_repeats)])
+
+
+def memory_probe(cfg: Config) -> Results:
+    """Growth of the callee's peak RSS while it receives, then echoes, the largest tensor."""
+    size_mb = max(cfg.sizes_mb)
+    tensor = make_tensor(size_mb * MB)
+    base = rpc.rpc_sync(CALLEE, fns.peak_rss_kb)
+    received = rpc.rpc_sync(CALLEE, fns.peak_rss_kb_after_receiving, args=(tensor,))
+    check_echo(tensor, rpc.rpc_sync(CALLEE, fns.echo, args=(tensor,)))
+    echoed = rpc.rpc_sync(CALLEE, fns.peak_rss_kb)
+    return {
+        "size_mb": size_mb,
+        "receive_growth_mb": (received - base) / 1024,
+        "echo_growth_mb": (echoed - base) / 1024,
+    }
+
+
+def echo_ms(size_mb: int, repeats: int) -> Results:
+    """Round-trip times (ms) of echoing a ``size_mb`` tensor, after a checked warm-up."""
+    tensor = make_tensor(size_mb * MB)
+    check_echo(tensor, rpc.rpc_sync(CALLEE, fns.echo, args=(tensor,)))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter_ns()
+        result = rpc.rpc_sync(CALLEE, fns.echo, args=(tensor,))
+        times.append((time.perf_counter_ns() - start) / 1e6)
+        del result
+    return summary(times)
+
+
+def drive(cfg: Config) -> Results:
+    results: Results = {
+        "noop_us": latency_us(cfg, fns.noop),
+        "async_execution_noop_us": latency_us(cfg, fns.completed_future),
+        "pipelined_calls_per_s": pipelined_rate(cfg),
+        "memory": memory_probe(cfg),
+        "echo_ms": {},
+    }
+    for mb, repeats in zip(cfg.sizes_mb, cfg.echo_repeats, strict=True):
+        results["echo_ms"][str(mb)] = echo_ms(mb, repeats)
+    return results
+
+
+def main() -> None:
+    # torch's own rpc.init_rpc/shutdown trigger this deprecation warning; it is not ours.
+    warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
+    args = parse_worker_args()
+    cfg = config(args.quick)
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method=args.init_method, num_worker_threads=16, rpc_timeout=cfg.rpc_timeout
+    )
+    rpc.init_rpc(  # type: ignore[no-untyped-call]
+        f"w{args.rank}", rank=args.rank, world_size=2, rpc_backend_options=options
+    )
+    try:
+        if args.rank == 0:
+            write_results(args.out, drive(cfg))
+    finally:
+        rpc.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,411 @@
+"""Unit tests for serde: pickle protocol 5 with tensor storages out of band."""
+
+from __future__ import annotations
+
+import gc
+import operator
+import pickle
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+from asyncrpc.errors import SerializationError
+from asyncrpc.serde import allocate_tensor_storage, dumps, loads
+
+
+def receive(buffers: list[memoryview]) -> list[torch.Tensor]:
+    """What the transport does: fresh uint8 storage per buffer, the bytes copied in."""
+    received = []
+    for buf in buffers:
+        storage, view = allocate_tensor_storage(len(buf))
+        assert len(view) == len(buf)
+        view[:] = buf
+        received.append(storage)
+    return received
+
+
+def round_trip(value: Any) -> Any:
+    payload, buffers = dumps(value)
+    assert isinstance(payload, bytes)
+    for buf in buffers:
+        assert isinstance(buf, memoryview)
+        assert buf.format == "B" and buf.ndim == 1 and buf.contiguous
+    return loads(payload, receive(buffers))
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """The tensor's values as bytes, in logical (row-major) order."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return b""
+    return bytes(flat.view(torch.uint8).numpy().tobytes())
+
+
+def assert_same_tensor(got: Any, want: torch.Tensor) -> None:
+    assert isinstance(got, torch.Tensor)
+    assert got.dtype == want.dtype
+    assert got.shape == want.shape
+    assert got.device == want.device
+    assert got.requires_grad == want.requires_grad
+    assert raw_bytes(got) == raw_bytes(want)
+
+
+def _creatable_dtypes() -> list[torch.dtype]:
+    found = set()
+    for value in vars(torch).values():
+        if not isinstance(value, torch.dtype):
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                t = torch.ones(2, dtype=value)
+        except Exception:
+            continue
+        if t.is_quantized or t.layout is not torch.strided:
+            continue
+        found.add(value)
+    return sorted(found, key=str)
+
+
+DTYPES = _creatable_dtypes()
+REQUIRED_DTYPES = {
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
+    torch.complex128, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+    torch.bool,
+}  # fmt: skip
+
+
+def test_every_common_dtype_is_covered() -> None:
+    assert set(DTYPES) >= REQUIRED_DTYPES
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("make", [torch.zeros, torch.ones], ids=["zeros", "ones"])
+def test_dtype_round_trip(dtype: torch.dtype, make: Any) -> None:
+    t = make(3, 5, dtype=dtype)
+    payload, buffers = dumps(t)
+    assert [len(b) for b in buffers] == [t.numel() * t.element_size()]
+    got = loads(payload, receive(buffers))
+    assert_same_tensor(got, t)
+    assert got.stride() == t.stride()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool, torch.complex128])
+def test_random_values_round_trip(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    if dtype is torch.bool:
+        t = torch.randint(0, 2, (7, 11), generator=gen).bool()
+    elif dtype.is_complex or dtype.is_floating_point:
+        t = torch.randn(7, 11, dtype=dtype, generator=gen)
+    else:
+        t = torch.randint(-(2**40), 2**40, (7, 11), generator=gen, dtype=dtype)
+    assert_same_tensor(round_trip(t), t)
+
+
+def test_special_float_values_round_trip() -> None:
+    t = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 5e-324], dtype=torch.float64)
+    assert raw_bytes(round_trip(t)) == raw_bytes(t)
+
+
+def test_zero_dim_tensor() -> None:
+    t = torch.tensor(3.5, dtype=torch.float64)
+    payload, buffers = dumps(t)
+    assert [len(b) for b in buffers] == [8]
+    got = loads(payload, receive(buffers))
+    assert got.dim() == 0
+    assert got.item() == 3.5
+    assert_same_tensor(got, t)
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 3), (3, 0), (2, 0, 4)])
+def test_empty_tensor(shape: tuple[int, ...]) -> None:
+    t = torch.empty(shape, dtype=torch.float32)
+    payload, buffers = dumps(t)
+    assert [len(b) for b in buffers] == [0]
+    got = loads(payload, receive(buffers))
+    assert_same_tensor(got, t)
+    assert got.shape == shape
+
+
+def test_transpose_keeps_strides() -> None:
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    t = x.t()
+    payload, buffers = dumps(t)
+    assert [len(b) for b in buffers] == [12 * 4]  # dense: sent as is
+    got = loads(payload, receive(buffers))
+    assert_same_tensor(got, t)
+    assert got.stride() == t.stride() == (1, 4)
+    assert not got.is_contiguous()
+
+
+def test_permuted_3d_keeps_strides() -> None:
+    t = torch.arange(24, dtype=torch.int32).reshape(2, 3, 4).permute(2, 0, 1)
+    got = round_trip(t)
+    assert_same_tensor(got, t)
+    assert got.stride() == t.stride()
+
+
+def test_strided_slice_becomes_contiguous_and_sends_only_its_elements() -> None:
+    x = torch.arange(40, dtype=torch.float64).reshape(4, 10)
+    t = x[:, ::2]
+    payload, buffers = dumps(t)
+    assert [len(b) for b in buffers] == [t.numel() * t.element_size()]
+    got = loads(payload, receive(buffers))
+    assert_same_tensor(got, t)
+    assert got.is_contiguous()
+
+
+def test_offset_view_of_a_large_tensor_sends_only_its_bytes() -> None:
+    big = torch.arange(1_000_000, dtype=torch.float32)
+    t = big[10:20]
+    payload, buffers = dumps(t)
+    assert [len(b) for b in buffers] == [40]
+    assert len(payload) < 1000
+    got = loads(payload, receive(buffers))
+    assert_same_tensor(got, t)
+    assert got.tolist() == list(range(10, 20))
+    assert got.untyped_storage().nbytes() == 40  # the receiver holds just those bytes
+
+
+def test_column_of_a_large_matrix_sends_only_its_elements() -> None:
+    big = torch.arange(1000 * 1000, dtype=torch.float32).reshape(1000, 1000)
+    t = big[:, 7]
+    _, buffers = dumps(t)
+    assert sum(len(b) for b in buffers) == 1000 * 4
+    assert_same_tensor(round_trip(t), t)
+
+
+def test_expanded_tensor_sends_only_the_underlying_elements() -> None:
+    t = torch.arange(3, dtype=torch.float32).expand(1000, 3)
+    payload, buffers = dumps(t)
+    assert [len(b) for b in buffers] == [3 * 4]
+    got = loads(payload, receive(buffers))
+    assert_same_tensor(got, t)
+    assert got.stride() == (0, 1)
+
+
+def test_scalar_expanded() -> None:
+    t = torch.tensor(2.0).expand(4, 5)
+    _, buffers = dumps(t)
+    assert [len(b) for b in buffers] == [4]
+    assert_same_tensor(round_trip(t), t)
+
+
+def test_requires_grad_preserved() -> None:
+    leaf = torch.ones(4, requires_grad=True)
+    non_leaf = leaf * 2
+    plain = torch.ones(4)
+    got_leaf, got_non_leaf, got_plain = round_trip([leaf, non_leaf, plain])
+    assert got_leaf.requires_grad and got_leaf.is_leaf
+    assert got_non_leaf.requires_grad and got_non_leaf.is_leaf  # the graph does not travel
+    assert not got_plain.requires_grad
+    assert raw_bytes(got_non_leaf) == raw_bytes(non_leaf)
+    got_leaf.sum().backward()  # usable as a leaf
+    assert got_leaf.grad is not None
+
+
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_parameter_stays_parameter(requires_grad: bool) -> None:
+    p = torch.nn.Parameter(torch.randn(3, 2), requires_grad=requires_grad)
+    got = round_trip(p)
+    assert type(got) is torch.nn.Parameter
+    assert got.requires_grad is requires_grad
+    assert raw_bytes(got) == raw_bytes(p)
+
+
+def test_module_state_dict_round_trip() -> None:
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 3)
+    state = module.state_dict()
+    got = round_trip(state)
+    assert list(got) == list(state)
+    for key in state:
+        assert_same_tensor(got[key], state[key])
+
+
+def test_nested_containers_with_several_tensors() -> None:
+    a = torch.arange(5, dtype=torch.int64)
+    b = torch.randn(2, 3)
+    c = torch.tensor([True, False])
+    value = {
+        "list": [a, 1, "two", (b, None)],
+        "tuple": (3.5, {"inner": c}),
+        "set": frozenset({1, 2}),
+        "bytes": b"raw",
+    }
+    payload, buffers = dumps(value)
+    assert len(buffers) == 3
+    got = loads(payload, receive(buffers))
+    assert got["list"][1:3] == [1, "two"]
+    assert got["list"][3][1] is None
+    assert got["tuple"][0] == 3.5
+    assert got["set"] == frozenset({1, 2})
+    assert got["bytes"] == b"raw"
+    assert_same_tensor(got["list"][0], a)
+    assert_same_tensor(got["list"][3][0], b)
+    assert_same_tensor(got["tuple"][1]["inner"], c)
+
+
+def test_same_tensor_twice_is_sent_once_and_stays_shared() -> None:
+    t = torch.randn(100)
+    payload, buffers = dumps([t, {"again": t}, (t,)])
+    assert len(buffers) == 1
+    got = loads(payload, receive(buffers))
+    assert got[0] is got[1]["again"] is got[2][0]
+    assert_same_tensor(got[0], t)
+
+
+def test_rpc_request_tuple_round_trip() -> None:
+    args = (torch.ones(2, 2), torch.full((3,), 7.0))
+    payload, buffers = dumps((torch.add, args, {"alpha": 2}))
+    func, got_args, kwargs = loads(payload, receive(buffers))
+    assert func is torch.add
+    assert kwargs == {"alpha": 2}
+    assert torch.equal(func(got_args[0], got_args[0], **kwargs), torch.full((2, 2), 3.0))
+
+
+@pytest.mark.parametrize("func", [torch.add, torch.matmul, operator.add, len, torch.nn.Linear])
+def test_functions_and_classes_travel_by_reference(func: Any) -> None:
+    payload, buffers = dumps(func)
+    assert buffers == []
+    assert len(payload) < 200
+    assert loads(payload, []) is func
+
+
+def test_lambda_raises_serialization_error() -> None:
+    with pytest.raises(SerializationError, match=r"cannot serialize .*lambda") as info:
+        dumps(lambda x: x + 1)
+    assert isinstance(info.value, TypeError)  # the builtin mix-in callers expect
+
+
+def test_local_function_raises_serialization_error() -> None:
+    def local_step(x: int) -> int:
+        return x
+
+    with pytest.raises(SerializationError, match=r"cannot serialize .*local_step"):
+        dumps({"fn": local_step, "tensor": torch.ones(1)})
+
+
+def test_serialization_error_message_is_bounded() -> None:
+    value = [lambda: None, "x" * 1000]
+    with pytest.raises(SerializationError) as info:
+        dumps(value)
+    assert len(str(info.value)) < 1000
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"", b"garbage bytes", b"\x80\x05\x95", b"\x80\x05N", pickle.dumps([1, 2])[:-3]],
+    ids=["empty", "garbage", "truncated-frame", "no-stop", "truncated-list"],
+)
+def test_loads_garbage_raises_serialization_error(payload: bytes) -> None:
+    with pytest.raises(SerializationError, match="cannot deserialize"):
+        loads(payload, [])
+
+
+def test_loads_missing_buffers_raises_serialization_error() -> None:
+    payload, buffers = dumps(torch.ones(3))
+    assert len(buffers) == 1
+    with pytest.raises(SerializationError):
+        loads(payload, [])
+
+
+def test_loads_too_short_buffer_raises_serialization_error() -> None:
+    payload, _ = dumps(torch.ones(10, dtype=torch.float64))
+    storage, _ = allocate_tensor_storage(8)
+    with pytest.raises(SerializationError):
+        loads(payload, [storage])
+
+
+def test_loads_accepts_plain_byte_buffers() -> None:
+    """The default codec allocator hands out bytearrays; those work as buffers too."""
+    t = torch.randn(4, 4, dtype=torch.float64)
+    payload, buffers = dumps(t)
+    got = loads(payload, [bytearray(b) for b in buffers])
+    assert_same_tensor(got, t)
+
+
+def test_dumps_is_zero_copy_for_dense_tensors() -> None:
+    t = torch.arange(1000, dtype=torch.int32)
+    _, (buf,) = dumps(t)
+    assert torch.frombuffer(buf, dtype=torch.uint8).data_ptr() == t.data_ptr()
+    offset = torch.arange(100, dtype=torch.int32)[10:20]
+    _, (buf,) = dumps(offset)
+    assert torch.frombuffer(buf, dtype=torch.uint8).data_ptr() == offset.data_ptr()
+
+
+def _churn_allocator() -> None:
+    # Allocate and fill memory of similar sizes, so that freed storage would be overwritten.
+    # (Sizes stay below malloc's mmap threshold, so freed blocks get reused, not unmapped.)
+    for _ in range(3):
+        junk = [torch.full((8_000,), -1.0) for _ in range(50)]
+        del junk
+
+
+def test_buffer_keeps_the_tensor_alive() -> None:
+    t = torch.arange(8_000, dtype=torch.float32)
+    expected = raw_bytes(t)
+    payload, buffers = dumps(t)
+    del t
+    gc.collect()
+    _churn_allocator()
+    assert bytes(buffers[0]) == expected
+    assert_same_tensor(loads(payload, receive(buffers)), torch.arange(8_000, dtype=torch.float32))
+
+
+def test_buffer_keeps_a_contiguous_copy_alive() -> None:
+    """A gapped view is copied to a temporary: the buffer alone must keep that copy alive."""
+    x = torch.arange(16_000, dtype=torch.float32).reshape(80, 200)
+    t = x[:, ::2]
+    expected = raw_bytes(t)
+    _, buffers = dumps(t)
+    del x, t
+    gc.collect()
+    _churn_allocator()
+    assert bytes(buffers[0]) == expected
+
+
+def test_received_tensor_owns_its_storage() -> None:
+    t = torch.randn(10)
+    payload, buffers = dumps(t)
+    storages = receive(buffers)
+    got = loads(payload, storages)
+    del storages
+    gc.collect()
+    _churn_allocator()
+    assert raw_bytes(got) == raw_bytes(t)
+    got.add_(1)  # writable
+    assert not torch.equal(got, t)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.tensor([1 + 2j, 3 - 4j]).conj(),
+        lambda: torch.tensor([[1 + 1j, 2 + 2j], [3 + 3j, 4 + 4j]]).mH,
+    ],
+    ids=["conj", "mH"],
+)
+def test_conjugate_view_round_trip(make: Any) -> None:
+    t = make()
+    assert t.is_conj()
+    got = round_trip(t)
+    assert torch.equal(got, t)
+
+
+def test_negative_view_round_trip() -> None:
+    t = torch._neg_view(torch.tensor([1.0, 2.0, -3.0]))
+    assert t.is_neg()
+    got = round_trip(t)
+    assert torch.equal(got, t)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_non_strided_tensor_falls_back_to_torch_pickling() -> None:
+    sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 5.0], (4,))
+    got = round_trip(sparse)
+    assert got.layout is torch.sparse_coo
+    assert torch.equal(got.to_dense(), sparse.to_dense())
