@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
-
-import torch.distributed as dist
 
 from asyncrpc.agent import (
     AgentOptions,
@@ -19,7 +18,7 @@ from asyncrpc.agent import (
     validate_name,
 )
 from asyncrpc.errors import AgentStateError, RPCTimeoutError
-from asyncrpc.rendezvous import create_store, exchange, job_secret, listen_host_for
+from asyncrpc.rendezvous import Store, create_store, exchange, job_secret, listen_host_for
 from asyncrpc.wire import DEFAULT_MAX_FRAME_SIZE
 
 Target = str | int | WorkerInfo
@@ -31,7 +30,7 @@ async def init_rpc(
     rank: int | None = None,
     world_size: int | None = None,
     init_method: str = "env://",
-    store: dist.Store | None = None,
+    store: Store | None = None,
     rpc_timeout: float = 60.0,
     num_worker_threads: int = 16,
     transports: tuple[str, ...] = ("unix", "tcp"),
@@ -49,9 +48,8 @@ async def init_rpc(
     only between processes of one host).  ``shared_memory`` enables the
     same-host path for large tensors.  Returns once every worker has joined.
     """
-    import os
-
-    if current_agent() is not None and current_agent().state not in ("closed",):  # type: ignore[union-attr]
+    running = current_agent()
+    if running is not None and running.state != "closed":
         raise AgentStateError("init_rpc was already called in this process; call shutdown first")
     validate_name(name)
     rank = int(os.environ["RANK"]) if rank is None else rank
@@ -59,7 +57,9 @@ async def init_rpc(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, {world_size})")
     if store is None:
-        store = await asyncio.to_thread(create_store, init_method, rank, world_size, rpc_timeout or 300)
+        store = await asyncio.to_thread(
+            create_store, init_method, rank, world_size, rpc_timeout or 300.0
+        )
     secret = await asyncio.to_thread(job_secret, store, rank)
     options = AgentOptions(
         rpc_timeout=rpc_timeout,

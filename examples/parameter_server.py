@@ -115,8 +115,10 @@ def evaluate() -> tuple[float, float]:
     x, y = make_data(2048, seed=999)
     with torch.no_grad():
         logits = ps.model(x)
-    return (nn.functional.cross_entropy(logits, y).item(),
-            (logits.argmax(dim=1) == y).float().mean().item())
+    return (
+        nn.functional.cross_entropy(logits, y).item(),
+        (logits.argmax(dim=1) == y).float().mean().item(),
+    )
 
 
 async def worker(rank: int, world: int, steps: int) -> None:
@@ -124,7 +126,9 @@ async def worker(rank: int, world: int, steps: int) -> None:
     if rank == 0:
         ParameterServer.instance = ParameterServer(trainers=world - 1, lr=0.05)
         loss, accuracy = evaluate()
-        print(f"[ps] before training: held-out loss {loss:.4f}, accuracy {accuracy:.1%}", flush=True)
+        print(
+            f"[ps] before training: held-out loss {loss:.4f}, accuracy {accuracy:.1%}", flush=True
+        )
     await asyncrpc.init_rpc(name, rank=rank, world_size=world, init_method="env://")
     started = time.monotonic()
     if rank > 0:
@@ -133,9 +137,12 @@ async def worker(rank: int, world: int, steps: int) -> None:
     if rank == 0:
         assert ParameterServer.instance is not None
         loss, accuracy = evaluate()
-        print(f"[ps] {ParameterServer.instance.updates} updates in "
-              f"{time.monotonic() - started:.1f}s; held-out loss {loss:.4f}, "
-              f"accuracy {accuracy:.1%}", flush=True)
+        print(
+            f"[ps] {ParameterServer.instance.updates} updates in "
+            f"{time.monotonic() - started:.1f}s; held-out loss {loss:.4f}, "
+            f"accuracy {accuracy:.1%}",
+            flush=True,
+        )
         print(f"RESULT final_loss={loss:.4f}", flush=True)
 
 
@@ -144,10 +151,18 @@ def spawn(world: int, steps: int) -> int:
     with __import__("socket").socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "WORLD_SIZE": str(world)}
-    procs = [subprocess.Popen([sys.executable, __file__, "--steps", str(steps)],
-                              env={**env, "RANK": str(r)}) for r in range(world)]
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--steps", str(steps)], env={**env, "RANK": str(r)}
+        )
+        for r in range(world)
+    ]
     try:
         codes = [p.wait(timeout=300) for p in procs]
     finally:

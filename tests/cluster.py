@@ -39,25 +39,47 @@ class Worker:
     def result(self) -> dict[str, Any]:
         for line in reversed(self.stdout.splitlines()):
             if line.startswith(RESULT_PREFIX):
-                return dict(json.loads(line[len(RESULT_PREFIX):]))
+                return dict(json.loads(line[len(RESULT_PREFIX) :]))
         raise AssertionError(f"worker {self.rank} reported no result:\n{self.describe()}")
 
     def describe(self) -> str:
-        return (f"--- rank {self.rank} exit {self.returncode}\nstdout:\n{self.stdout}"
-                f"\nstderr:\n{self.stderr}")
+        return (
+            f"--- rank {self.rank} exit {self.returncode}\nstdout:\n{self.stdout}"
+            f"\nstderr:\n{self.stderr}"
+        )
 
 
-def run_job(scenario: str, world: int = 2, *, loop: str = "uvloop", transport: str = "unix",
-            timeout: float = 60.0, env: dict[str, str] | None = None,
-            expect_exit: dict[int, int] | None = None) -> list[Worker]:
+def run_job(
+    scenario: str,
+    world: int = 2,
+    *,
+    loop: str = "uvloop",
+    transport: str = "unix",
+    timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+    expect_exit: dict[int, int] | None = None,
+) -> list[Worker]:
     """Run ``scenario`` on ``world`` worker processes; returns them after all exit."""
     port = free_port()
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.worker", scenario, str(rank), str(world), str(port),
-             loop, transport],
-            cwd=ROOT, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "tests.worker",
+                scenario,
+                str(rank),
+                str(world),
+                str(port),
+                loop,
+                transport,
+            ],
+            cwd=ROOT,
+            env=environ,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for rank in range(world)
     ]
@@ -72,11 +94,13 @@ def run_job(scenario: str, world: int = 2, *, loop: str = "uvloop", transport: s
         outputs = [Worker(r, p.wait(), *p.communicate()) for r, p in enumerate(procs)]
         raise AssertionError(
             f"job {scenario!r} did not finish in {timeout}s\n"
-            + "\n".join(w.describe() for w in outputs)) from None
+            + "\n".join(w.describe() for w in outputs)
+        ) from None
     expected = expect_exit or {}
     for w in workers:
         if w.returncode != expected.get(w.rank, 0):
             raise AssertionError(
                 f"job {scenario!r}: rank {w.rank} exited {w.returncode}\n"
-                + "\n".join(x.describe() for x in workers))
+                + "\n".join(x.describe() for x in workers)
+            )
     return workers

@@ -37,8 +37,13 @@ class Config:
     async def join(self, **options: Any) -> None:
         transports = ("unix", "tcp") if self.transport == "unix" else ("tcp",)
         options.setdefault("transports", transports)
-        await asyncrpc.init_rpc(self.name, rank=self.rank, world_size=self.world,
-                                init_method=f"tcp://127.0.0.1:{self.port}", **options)
+        await asyncrpc.init_rpc(
+            self.name,
+            rank=self.rank,
+            world_size=self.world,
+            init_method=f"tcp://127.0.0.1:{self.port}",
+            **options,
+        )
 
 
 # -- remote functions -------------------------------------------------------------
@@ -142,7 +147,7 @@ async def outcome(awaitable: Any) -> dict[str, Any]:
     """What a call produced: its value, or its error's type, message and ancestry."""
     try:
         return {"value": await awaitable}
-    except BaseException as exc:  # noqa: BLE001 - observing every outcome is the point
+    except BaseException as exc:
         return {
             "error": type(exc).__name__,
             "message": str(exc),
@@ -157,7 +162,7 @@ async def outcome(awaitable: Any) -> dict[str, Any]:
 def raises(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
     try:
         fn(*args, **kwargs)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return {"error": type(exc).__name__, "message": str(exc)}
     return {"error": None}
 
@@ -181,8 +186,7 @@ async def basics(cfg: Config) -> dict[str, Any]:
 
 async def _calls(cfg: Config) -> dict[str, Any]:
     y = await asyncrpc.rpc_async("w1", torch.add, args=(torch.ones(3), 1))
-    many = await asyncio.gather(*(asyncrpc.rpc_async("w1", double, args=(i,))
-                                  for i in range(1000)))
+    many = await asyncio.gather(*(asyncrpc.rpc_async("w1", double, args=(i,)) for i in range(1000)))
     info = asyncrpc.get_worker_info("w1")
     return {
         "torch_add": y.tolist(),
@@ -203,13 +207,13 @@ async def _errors() -> dict[str, Any]:
         "remote_value_error": await outcome(asyncrpc.rpc_async("w1", fail, args=("boom",))),
         "remote_unpicklable_error": await outcome(asyncrpc.rpc_async("w1", fail_unpicklably)),
         "unpicklable_result": await outcome(asyncrpc.rpc_async("w1", return_unpicklable)),
-        "unpicklable_argument": raises(asyncrpc.rpc_async, "w1", echo,
-                                       args=(threading.Lock(),)),
+        "unpicklable_argument": raises(asyncrpc.rpc_async, "w1", echo, args=(threading.Lock(),)),
         "unknown_worker": raises(asyncrpc.rpc_async, "nobody", whoami),
         "unknown_function": await outcome(asyncrpc.rpc_async("w1", _only_here())),
         "timeout": await outcome(asyncrpc.rpc_async("w1", sleep_for, args=(30,), timeout=0.3)),
-        "thread_timeout": await outcome(asyncrpc.rpc_async("w1", block_for, args=(2,),
-                                                           timeout=0.3)),
+        "thread_timeout": await outcome(
+            asyncrpc.rpc_async("w1", block_for, args=(2,), timeout=0.3)
+        ),
         "alive_after_errors": await asyncrpc.rpc_async("w1", whoami),
     }
 
@@ -250,12 +254,14 @@ async def _tensors() -> dict[str, Any]:
 
 
 async def _async_execution() -> dict[str, Any]:
-    batch = await asyncio.gather(*(asyncrpc.rpc_async("w1", Batcher.push, args=(i,))
-                                   for i in range(8)))
+    batch = await asyncio.gather(
+        *(asyncrpc.rpc_async("w1", Batcher.push, args=(i,)) for i in range(8))
+    )
     return {
         "batched": batch,
-        "torch_future": (await asyncrpc.rpc_async("w1", torch_future_double,
-                                                  args=(torch.ones(2),))).tolist(),
+        "torch_future": (
+            await asyncrpc.rpc_async("w1", torch_future_double, args=(torch.ones(2),))
+        ).tolist(),
         "coroutine_awaitable": await asyncrpc.rpc_async("w1", coroutine_triple, args=(2,)),
     }
 

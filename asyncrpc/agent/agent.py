@@ -28,16 +28,12 @@ import contextvars
 import itertools
 import logging
 import os
-import threading
-from collections import deque
 from collections.abc import Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from asyncrpc.agent.dispatch import Placement, describe, pack_error, unpack_error
+from asyncrpc.agent.dispatch import describe, unpack_error
+from asyncrpc.agent.inbound import Inbound
 from asyncrpc.agent.worker import WorkerAddress, WorkerInfo
 from asyncrpc.errors import (
     AgentStateError,
@@ -78,14 +74,6 @@ class PendingCall:
     timer: asyncio.TimerHandle | None = None
 
 
-@dataclass(slots=True)
-class _Inbound:
-    """Book-keeping of the calls running for one incoming link."""
-
-    running: dict[int, asyncio.Future[Any] | None] = field(default_factory=dict)
-    paused: bool = False
-
-
 class RpcAgent:
     """One worker's agent.  Create, ``await start()``, ``join(workers)``, use, ``shutdown``."""
 
@@ -98,20 +86,18 @@ class RpcAgent:
         self._loop = asyncio.get_running_loop()
         self._context = contextvars.copy_context()
         self._context.run(_current.set, self)
-        self._executor = ThreadPoolExecutor(options.num_worker_threads, f"asyncrpc-{name}")
+        self._inbound = Inbound(
+            name, self._context, options.num_worker_threads, options.max_running_per_link
+        )
         self._segments = SegmentPool() if options.shared_memory else None
         self._workers: dict[str, WorkerAddress] = {}
         self._by_rank: dict[int, WorkerAddress] = {}
         self._servers: list[asyncio.AbstractServer] = []
         self._links: dict[str, Link] = {}  # outgoing, by peer name
         self._dials: dict[str, asyncio.Future[Link]] = {}
-        self._inbound: dict[Link, _Inbound] = {}
         self._pending: dict[int, PendingCall] = {}
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Future[Any]] = set()
-        self._completions: deque[tuple[Link, int, str, bool, Any]] = deque()
-        self._completions_lock = threading.Lock()
-        self._drain_scheduled = False
         self._idle = asyncio.Event()
         self._idle.set()
         self._peers_done: set[str] = set()
@@ -189,10 +175,10 @@ class RpcAgent:
             self._finish(call_id, error=closed)
         for task in list(self._tasks):
             task.cancel()
-        for link in [*self._links.values(), *self._inbound]:
+        for link in self._links.values():
             link.close()
+        self._inbound.close()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._executor.shutdown(wait=False, cancel_futures=True)
         if self._segments is not None:
             self._segments.close()
         self.state = "closed"
@@ -222,8 +208,12 @@ class RpcAgent:
         name = describe(func)[1]
         payload, buffers = dumps((func, args, kwargs or {}))
         call_id = next(self._ids)
-        call = PendingCall(self._loop.create_future(), peer, name,
-                           self.options.rpc_timeout if timeout is None else timeout)
+        call = PendingCall(
+            self._loop.create_future(),
+            peer,
+            name,
+            self.options.rpc_timeout if timeout is None else timeout,
+        )
         if call.timeout > 0:
             call.timer = self._loop.call_later(call.timeout, self._expire, call_id)
         self._pending[call_id] = call
@@ -237,7 +227,11 @@ class RpcAgent:
         return call.future
 
     async def _send_after_dial(
-        self, peer: str, call_id: int, meta: dict[str, Any], payload: bytes,
+        self,
+        peer: str,
+        call_id: int,
+        meta: dict[str, Any],
+        payload: bytes,
         buffers: list[memoryview],
     ) -> None:
         try:
@@ -266,13 +260,15 @@ class RpcAgent:
                 link = await dial(address, lambda: self._new_link(Role.DIALER), worker=peer)
                 await link.ready
         except TimeoutError:
-            raise PeerLostError(f"timed out connecting to worker {peer!r} at {address}",
-                                worker=peer) from None
+            raise PeerLostError(
+                f"timed out connecting to worker {peer!r} at {address}", worker=peer
+            ) from None
         except (ConnectionError, HandshakeError) as exc:
             if isinstance(exc, PeerLostError) and exc.details.get("worker") == peer:
                 raise
-            raise PeerLostError(f"cannot connect to worker {peer!r} at {address}: {exc}",
-                                worker=peer) from exc
+            raise PeerLostError(
+                f"cannot connect to worker {peer!r} at {address}: {exc}", worker=peer
+            ) from exc
         if link.peer.name != peer:
             link.abort(PeerLostError(f"{address} is {link.peer.name!r}, not {peer!r}"))
             raise PeerLostError(f"worker {peer!r} is not at {address}", worker=peer)
@@ -284,8 +280,7 @@ class RpcAgent:
         for scheme in self.options.transports:
             if scheme in target.addresses and (scheme != "unix" or same_host):
                 return target.addresses[scheme]
-        raise PeerLostError(f"no common transport with worker {target.name!r}",
-                            worker=target.name)
+        raise PeerLostError(f"no common transport with worker {target.name!r}", worker=target.name)
 
     def _expire(self, call_id: int) -> None:
         call = self._pending.get(call_id)
@@ -294,13 +289,18 @@ class RpcAgent:
         link = self._links.get(call.peer)
         if link is not None:
             link.send(Kind.CANCEL, {"i": call_id})
-        self._finish(call_id, error=RPCTimeoutError(
-            f"call to {call.function} on worker {call.peer!r} timed out after {call.timeout}s",
-            worker=call.peer, function=call.function,
-        ))
+        self._finish(
+            call_id,
+            error=RPCTimeoutError(
+                f"call to {call.function} on worker {call.peer!r} timed out after {call.timeout}s",
+                worker=call.peer,
+                function=call.function,
+            ),
+        )
 
-    def _finish(self, call_id: int, *, result: Any = None,
-                error: BaseException | None = None) -> None:
+    def _finish(
+        self, call_id: int, *, result: Any = None, error: BaseException | None = None
+    ) -> None:
         call = self._pending.pop(call_id, None)
         if call is None:
             return
@@ -316,8 +316,8 @@ class RpcAgent:
 
     def _on_reply(self, link: Link, frame: Frame) -> None:
         call_id = frame.meta.get("i")
-        call = self._pending.get(call_id) if isinstance(call_id, int) else None
-        if call is None or call.peer != link.peer.name:
+        call = self._pending.get(call_id) if type(call_id) is int else None
+        if call is None or call.peer != link.peer.name or type(call_id) is not int:
             return  # a late reply to a call that already timed out
         try:
             if frame.kind == Kind.RESPONSE:
@@ -325,170 +325,50 @@ class RpcAgent:
             else:
                 self._finish(call_id, error=unpack_error(frame.payload, frame.buffers))
         except SerializationError as exc:
-            self._finish(call_id, error=SerializationError(
-                f"reply of {call.function} from worker {call.peer!r}: {exc}",
-                worker=call.peer, function=call.function))
+            self._finish(
+                call_id,
+                error=SerializationError(
+                    f"reply of {call.function} from worker {call.peer!r}: {exc}",
+                    worker=call.peer,
+                    function=call.function,
+                ),
+            )
 
     # -- incoming calls ------------------------------------------------------------
-
-    def _on_request(self, link: Link, frame: Frame) -> None:
-        call_id = frame.meta.get("i")
-        name = str(frame.meta.get("f", "?"))
-        if not isinstance(call_id, int):
-            link.abort(PeerLostError(f"request without a call id from {link.peer.name!r}"))
-            return
-        try:
-            func, args, kwargs = loads(frame.payload, frame.buffers)
-        except Exception as exc:
-            failure = SerializationError(
-                f"worker {self.info.name!r} cannot run {name}: {exc}",
-                worker=self.info.name, function=name)
-            self._reply_error(link, call_id, name, failure)
-            return
-        inbound = self._inbound[link]
-        placement = describe(func)[0]
-        if placement is Placement.THREAD:
-            inbound.running[call_id] = None
-            self._executor.submit(self._context.copy().run, self._run_in_thread,
-                                  link, call_id, name, func, args, kwargs)
-        elif placement is Placement.LOOP:
-            task = self._loop.create_task(func(*args, **kwargs), context=self._context.copy())
-            inbound.running[call_id] = task
-            task.add_done_callback(lambda t: self._reply_future(link, call_id, name, t))
-        else:
-            self._start_async_execution(link, call_id, name, func, args, kwargs)
-        self._apply_backpressure(link, inbound)
-
-    def _run_in_thread(self, link: Link, call_id: int, name: str, func: Callable[..., Any],
-                       args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Run a plain function in a pool thread; its reply is serialised there too."""
-        try:
-            result = func(*args, **kwargs)
-            outcome: tuple[bool, Any] = (
-                True, link.encode(Kind.RESPONSE, {"i": call_id}, *dumps(result)))
-        except BaseException as exc:
-            outcome = (False, exc)
-        self._completions.append((link, call_id, name, *outcome))
-        with self._completions_lock:
-            if self._drain_scheduled:
-                return
-            self._drain_scheduled = True
-        try:
-            self._loop.call_soon_threadsafe(self._drain_completions)
-        except RuntimeError:
-            pass  # the loop is closed: the agent shut down, the caller was told
-
-    def _drain_completions(self) -> None:
-        """Send the replies of pool-thread calls: one loop wake-up for a whole batch."""
-        with self._completions_lock:
-            self._drain_scheduled = False
-        while self._completions:
-            link, call_id, name, ok, value = self._completions.popleft()
-            if not self._retire(link, call_id):
-                continue
-            if ok:
-                link.write(value)
-            else:
-                self._reply_error(link, call_id, name, value)
-
-    def _start_async_execution(self, link: Link, call_id: int, name: str,
-                               func: Callable[..., Any], args: tuple[Any, ...],
-                               kwargs: dict[str, Any]) -> None:
-        inbound = self._inbound[link]
-        try:
-            awaitable = self._context.copy().run(func, *args, **kwargs)
-            future = self._as_future(awaitable, name)
-        except BaseException as exc:
-            self._reply_error(link, call_id, name, exc)
-            return
-        inbound.running[call_id] = future
-        future.add_done_callback(lambda f: self._reply_future(link, call_id, name, f))
-
-    def _as_future(self, awaitable: Any, name: str) -> asyncio.Future[Any]:
-        if isinstance(awaitable, torch.futures.Future):
-            future = self._loop.create_future()
-            awaitable.add_done_callback(
-                lambda f: self._loop.call_soon_threadsafe(_copy_torch_future, f, future))
-            return future
-        if isinstance(awaitable, Coroutine):
-            return self._loop.create_task(awaitable, context=self._context.copy())
-        if asyncio.isfuture(awaitable):
-            return awaitable
-        raise TypeError(f"async_execution function {name} returned {type(awaitable).__name__}, "
-                        "not an awaitable (asyncio future, coroutine or torch Future)")
-
-    def _reply_future(self, link: Link, call_id: int, name: str,
-                      future: asyncio.Future[Any]) -> None:
-        if not self._retire(link, call_id) or future.cancelled():
-            return
-        error = future.exception()
-        if error is not None:
-            self._reply_error(link, call_id, name, error)
-            return
-        try:
-            link.send(Kind.RESPONSE, {"i": call_id}, *dumps(future.result()))
-        except Exception as exc:
-            self._reply_error(link, call_id, name, exc)
-
-    def _reply_error(self, link: Link, call_id: int, name: str, exc: BaseException) -> None:
-        if not link.closed:
-            link.send(Kind.ERROR, {"i": call_id}, *pack_error(exc, self.info.name, name))
-
-    def _retire(self, link: Link, call_id: int) -> bool:
-        """Forget a finished incoming call; False if its link is gone."""
-        inbound = self._inbound.get(link)
-        if inbound is None:
-            return False
-        inbound.running.pop(call_id, None)
-        self._apply_backpressure(link, inbound)
-        return not link.closed
-
-    def _apply_backpressure(self, link: Link, inbound: _Inbound) -> None:
-        limit = self.options.max_running_per_link
-        if not inbound.paused and len(inbound.running) >= limit:
-            inbound.paused = True
-            link.pause_reading()
-        elif inbound.paused and len(inbound.running) <= limit // 2:
-            inbound.paused = False
-            link.resume_reading()
-
-    def _on_cancel(self, link: Link, frame: Frame) -> None:
-        inbound = self._inbound.get(link)
-        future = inbound.running.get(frame.meta.get("i", -1)) if inbound else None
-        if future is not None:
-            future.cancel()
 
     # -- link events ---------------------------------------------------------------
 
     def _new_link(self, role: Role) -> Link:
         handshake = Handshake(role, self._secret, self.identity)
-        return Link(self, handshake, allocate=allocate_tensor_storage,
-                    max_frame_size=self.options.max_frame_size, segments=self._segments)
+        return Link(
+            self,
+            handshake,
+            allocate=allocate_tensor_storage,
+            max_frame_size=self.options.max_frame_size,
+            segments=self._segments,
+        )
 
     def _inbound_link(self) -> Link:
         return self._new_link(Role.LISTENER)
 
     def link_established(self, link: Link) -> None:
         if link.handshake.role is Role.LISTENER:
-            self._inbound[link] = _Inbound()
+            self._inbound.add_link(link)
 
     def frame_received(self, link: Link, frame: Frame) -> None:
         kind = frame.kind
         if kind == Kind.REQUEST:
-            self._on_request(link, frame)
+            self._inbound.on_request(link, frame)
         elif kind in (Kind.RESPONSE, Kind.ERROR):
             self._on_reply(link, frame)
         elif kind == Kind.CANCEL:
-            self._on_cancel(link, frame)
+            self._inbound.on_cancel(link, frame)
         elif kind == Kind.SHUTDOWN:
             self._peers_done.add(link.peer.name)
             self._barrier_changed.set()
 
     def link_lost(self, link: Link, exc: BaseException) -> None:
-        inbound = self._inbound.pop(link, None)
-        for future in (inbound.running.values() if inbound else ()):
-            if future is not None:
-                future.cancel()
+        self._inbound.drop_link(link)
         peer = link.handshake.peer
         if peer is None or self._links.get(peer.name) is not link:
             return
@@ -509,13 +389,13 @@ class RpcAgent:
 
     def debug_info(self) -> dict[str, Any]:
         """Pending outgoing calls, running incoming calls, connected peers and more."""
-        peers = {link.peer.name for link in self._inbound} | set(self._links)
+        peers = self._inbound.peers | set(self._links)
         return {
             "worker": self.info.name,
             "rank": self.info.id,
             "state": self.state,
             "pending_outgoing_calls": len(self._pending),
-            "running_incoming_calls": sum(len(i.running) for i in self._inbound.values()),
+            "running_incoming_calls": self._inbound.running,
             "connected_peers": sorted(peers),
             "dead_peers": sorted(self._dead),
             "shared_memory": self._segments.stats if self._segments else None,
@@ -548,12 +428,3 @@ def set_default_agent(agent: RpcAgent | None) -> None:
     """Make ``agent`` what :func:`current_agent` returns outside of calls."""
     global _default
     _default = agent
-
-
-def _copy_torch_future(source: torch.futures.Future[Any], target: asyncio.Future[Any]) -> None:
-    if target.done():
-        return
-    try:
-        target.set_result(source.value())
-    except BaseException as exc:
-        target.set_exception(exc)

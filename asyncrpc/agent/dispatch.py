@@ -94,17 +94,14 @@ def pack_error(exc: BaseException, worker: str, function: str) -> tuple[bytes, l
         loads(*packed)  # it must also rebuild on the caller
         return packed
     except Exception:
-        stand_in = RemoteError(
-            f"{type(exc).__qualname__}: {exc}", exc_type=_type_name(exc)
-        )
+        stand_in = RemoteError(f"{type(exc).__qualname__}: {exc}", exc_type=_type_name(exc))
         return dumps((stand_in, worker, function, text))
 
 
 def unpack_error(payload: bytes | bytearray, buffers: list[Any]) -> BaseException:
     """Rebuild a remote exception, with where it came from attached."""
-    exc, worker, function, text = loads(payload, buffers)
-    if not isinstance(exc, BaseException):
-        exc = RemoteError(f"malformed error reply: {exc!r}")
+    raw, worker, function, text = loads(payload, buffers)
+    exc = raw if isinstance(raw, BaseException) else RemoteError(f"malformed error: {raw!r}")
     exc.remote_worker = worker  # type: ignore[attr-defined]
     exc.remote_function = function  # type: ignore[attr-defined]
     exc.remote_traceback = text  # type: ignore[attr-defined]

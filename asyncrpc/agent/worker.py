@@ -33,15 +33,23 @@ class WorkerAddress:
         return WorkerInfo(self.rank, self.name)
 
     def to_dict(self) -> dict[str, object]:
-        return {"name": self.name, "rank": self.rank, "host": self.host,
-                "addresses": dict(self.addresses)}
+        return {
+            "name": self.name,
+            "rank": self.rank,
+            "host": self.host,
+            "addresses": dict(self.addresses),
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> WorkerAddress:
         addresses = data["addresses"]
         assert isinstance(addresses, dict)
-        return cls(str(data["name"]), int(str(data["rank"])), str(data["host"]),
-                   {str(k): str(v) for k, v in addresses.items()})
+        return cls(
+            str(data["name"]),
+            int(str(data["rank"])),
+            str(data["host"]),
+            {str(k): str(v) for k, v in addresses.items()},
+        )
 
 
 def validate_name(name: object) -> str:

@@ -1,5 +1,5 @@
 """Rendezvous through torch's c10d Store (TCPStore, FileStore, torchrun's agent store)."""
 
-from asyncrpc.rendezvous.store import create_store, exchange, job_secret, listen_host_for
+from asyncrpc.rendezvous.store import Store, create_store, exchange, job_secret, listen_host_for
 
-__all__ = ("create_store", "exchange", "job_secret", "listen_host_for")
+__all__ = ("Store", "create_store", "exchange", "job_secret", "listen_host_for")

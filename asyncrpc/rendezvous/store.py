@@ -31,11 +31,14 @@ from urllib.parse import urlsplit
 import msgpack
 import torch.distributed as dist
 
+Store = Any
+"""``torch.distributed.Store`` (its stubs do not show the class to type checkers)."""
+
 PREFIX = "asyncrpc"
 SECRET_ENV = "ASYNCRPC_SECRET"
 
 
-def create_store(init_method: str, rank: int, world_size: int, timeout: float) -> dist.Store:
+def create_store(init_method: str, rank: int, world_size: int, timeout: float) -> Store:
     """Open (or host, on rank 0) the store named by ``init_method``."""
     scheme = init_method.partition("://")[0]
     wait = timedelta(seconds=timeout)
@@ -47,7 +50,9 @@ def create_store(init_method: str, rank: int, world_size: int, timeout: float) -
         agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         return _tcp_store(host, port, rank, world_size, wait, hosted_by_agent=agent_hosts)
     if scheme == "file":
-        return dist.FileStore(urlsplit(init_method).path, world_size)
+        return dist.FileStore(  # type: ignore[attr-defined]
+            urlsplit(init_method).path, world_size
+        )
     raise ValueError(f"unsupported init_method {init_method!r} (use tcp://, env:// or file://)")
 
 
@@ -57,17 +62,20 @@ def master_address(init_method: str) -> tuple[str, int]:
         try:
             return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         except KeyError as missing:
-            raise ValueError(f"env:// rendezvous needs the environment variable {missing}") from None
+            raise ValueError(f"env:// rendezvous needs the variable {missing}") from None
     parts = urlsplit(init_method)
     if parts.hostname is None or parts.port is None:
         raise ValueError(f"init_method {init_method!r} needs a host and a port")
     return parts.hostname, parts.port
 
 
-def _tcp_store(host: str, port: int, rank: int, world_size: int, wait: timedelta,
-               *, hosted_by_agent: bool) -> dist.Store:
+def _tcp_store(
+    host: str, port: int, rank: int, world_size: int, wait: timedelta, *, hosted_by_agent: bool
+) -> Store:
     is_master = rank == 0 and not hosted_by_agent
-    return dist.TCPStore(host, port, world_size, is_master, wait, wait_for_workers=False)
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        host, port, world_size, is_master, wait, wait_for_workers=False
+    )
 
 
 def listen_host_for(init_method: str) -> str:
@@ -88,7 +96,7 @@ def listen_host_for(init_method: str) -> str:
         return str(probe.getsockname()[0])
 
 
-def job_secret(store: dist.Store, rank: int) -> bytes:
+def job_secret(store: Store, rank: int) -> bytes:
     """The per-job secret that peers prove to each other in the handshake."""
     from_env = os.environ.get(SECRET_ENV)
     if from_env:
@@ -99,8 +107,9 @@ def job_secret(store: dist.Store, rank: int) -> bytes:
     return bytes(store.get(key))
 
 
-def exchange(store: dist.Store, rank: int, world_size: int, record: dict[str, Any],
-             name: str) -> list[dict[str, Any]]:
+def exchange(
+    store: Store, rank: int, world_size: int, record: dict[str, Any], name: str
+) -> list[dict[str, Any]]:
     """Publish our record, claim our name, and return every worker's record by rank."""
     claims = store.add(f"{PREFIX}/name/{name}", 1)
     store.set(f"{PREFIX}/worker/{rank}", msgpack.packb(record))

@@ -31,9 +31,7 @@ TensorMeta = tuple[str, tuple[int, ...], tuple[int, ...], bool, str, bool]
 """(dtype name, shape, strides, requires_grad, device, is_parameter)"""
 
 _DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in vars(torch).values()
-    if isinstance(d, torch.dtype)
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
 }
 
 
@@ -89,8 +87,10 @@ def load_tensor(meta: TensorMeta, buffer: Any) -> torch.Tensor:
         raise SerializationError(f"unknown tensor dtype {dtype_name!r}")
     raw = _as_uint8(buffer)
     flat = raw.view(dtype) if raw.numel() else torch.empty(0, dtype=dtype)
-    tensor = flat.as_strided(shape, stride) if flat.numel() else torch.empty_strided(
-        shape, stride, dtype=dtype
+    tensor = (
+        flat.as_strided(shape, stride)
+        if flat.numel()
+        else torch.empty_strided(shape, stride, dtype=dtype)
     )
     tensor = _to_device(tensor, device)
     if is_parameter:
@@ -110,8 +110,10 @@ def _to_device(tensor: torch.Tensor, device: str) -> torch.Tensor:
     if device == "cpu":
         return tensor
     target = torch.device(device)
-    if target.type == "cuda" and torch.cuda.is_available() and (
-        (target.index or 0) < torch.cuda.device_count()
+    if (
+        target.type == "cuda"
+        and torch.cuda.is_available()
+        and ((target.index or 0) < torch.cuda.device_count())
     ):
         return tensor.to(target, non_blocking=False)
     raise SerializationError(

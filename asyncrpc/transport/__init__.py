@@ -1,4 +1,4 @@
-"""Connections: framed, authenticated links over tcp and unix sockets, and same-host shared memory."""
+"""Connections: authenticated, framed links over tcp and unix sockets; same-host shared memory."""
 
 from asyncrpc.transport.endpoints import SCHEMES, dial, listen
 from asyncrpc.transport.link import Link, LinkHandler

@@ -30,7 +30,9 @@ class Scheme:
 def _split(address: str) -> tuple[str, str]:
     scheme, sep, rest = address.partition("://")
     if not sep or scheme not in SCHEMES:
-        raise ValueError(f"unsupported address {address!r} (expected tcp://host:port or unix://path)")
+        raise ValueError(
+            f"unsupported address {address!r} (expected tcp://host:port or unix://path)"
+        )
     return scheme, rest
 
 

@@ -148,9 +148,11 @@ class Link(asyncio.BufferedProtocol):
         buffers: Sequence[memoryview] = (),
     ) -> Parts:
         """Byte parts for one message; safe to call from any thread."""
-        refs: list[memoryview | ExternalRef] = list(buffers)
-        if self._share_memory and self._segments is not None:
-            refs = [self._segments.put(b, self) if b.nbytes >= SHM_THRESHOLD else b for b in refs]
+        pool = self._segments if self._share_memory else None
+        refs: list[memoryview | ExternalRef] = [
+            pool.put(b, self) if pool is not None and b.nbytes >= SHM_THRESHOLD else b
+            for b in buffers
+        ]
         return encode_frame(kind, meta, payload, refs, max_frame_size=self.max_frame_size)
 
     def send(

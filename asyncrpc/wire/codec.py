@@ -238,7 +238,9 @@ class FrameDecoder:
         if magic != MAGIC or flags != 0:
             raise RemoteProtocolError(f"bad frame prelude (magic {magic:#06x}, flags {flags})")
         if header_len > MAX_HEADER_SIZE:
-            raise RemoteProtocolError(f"frame header of {header_len} bytes exceeds {MAX_HEADER_SIZE}")
+            raise RemoteProtocolError(
+                f"frame header of {header_len} bytes exceeds {MAX_HEADER_SIZE}"
+            )
         if self._staged() < PRELUDE.size + header_len:
             return False
         begin = self._start + PRELUDE.size

@@ -59,12 +59,10 @@ class State(Enum):
     FAILED = auto()
 
 
-def _proof(secret: bytes, role: Role, nonce_dialer: bytes, nonce_listener: bytes,
-           dialer: str, listener: str) -> bytes:
-    message = b"|".join(
-        [b"asyncrpc", role.name.encode(), nonce_dialer, nonce_listener,
-         dialer.encode(), listener.encode()]
-    )
+def _proof(secret: bytes, role: Role, nonces: tuple[bytes, bytes], names: tuple[str, str]) -> bytes:
+    """HMAC over the role, both nonces (dialer's first) and both names (length-prefixed)."""
+    fields = [b"asyncrpc", role.name.encode(), *nonces, *(n.encode() for n in names)]
+    message = b"".join(len(f).to_bytes(4, "big") + f for f in fields)
     return hmac.digest(secret, message, hashlib.sha256)
 
 
@@ -144,8 +142,7 @@ class Handshake:
         if not isinstance(nonce, bytes) or len(nonce) != 32:
             raise HandshakeError("handshake nonce must be 32 bytes")
         name, rank, pid, host = meta["name"], meta["rank"], meta["pid"], meta["host"]
-        if not (type(name) is str and type(rank) is int and type(pid) is int
-                and type(host) is str):
+        if not (type(name) is str and type(rank) is int and type(pid) is int and type(host) is str):
             raise HandshakeError("malformed peer identity in handshake")
         self._peer_nonce = nonce
         self.peer = Identity(name, rank, pid, host)
@@ -162,7 +159,7 @@ class Handshake:
         return self._peer_nonce, self._nonce
 
     def _make_proof(self, role: Role) -> bytes:
-        return _proof(self._secret, role, *self._nonces(), *self._names())
+        return _proof(self._secret, role, self._nonces(), self._names())
 
     def _check_proof(self, role: Role, proof: Any) -> None:
         expected = self._make_proof(role)

@@ -1,0 +1,253 @@
+"""The serving side of an agent: incoming calls, from request frame to reply frame.
+
+Theory of operation
+-------------------
+Each request becomes an :class:`IncomingCall` (its link, call id and function
+name) and runs where :func:`~asyncrpc.agent.dispatch.describe` places it:
+
+* THREAD -- the worker's pool.  The function *and* the serialisation of its
+  result run in the pool thread; the encoded reply joins a completion queue,
+  and one ``call_soon_threadsafe`` wakes the loop for however many replies
+  are queued by then.
+* LOOP -- an ``async def``: a task on the loop.
+* AWAITABLE -- ``@async_execution``: called on the loop; the reply leaves when
+  the returned awaitable completes.
+
+Every call ends in exactly one RESPONSE or ERROR frame, unless its link is
+gone (then nobody is waiting).  A CANCEL from the caller (its deadline passed)
+cancels a task or awaitable; a pool thread cannot be interrupted, and its
+late result is dropped.  Per link, more than ``max_running`` calls in flight
+pause reading until half of them have finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import threading
+from collections import deque
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from asyncrpc.agent.dispatch import Placement, describe, pack_error
+from asyncrpc.errors import RemoteProtocolError, SerializationError
+from asyncrpc.serde import dumps, loads
+from asyncrpc.transport import Link
+from asyncrpc.wire import Frame, Kind
+
+
+@dataclass(frozen=True, slots=True)
+class IncomingCall:
+    link: Link
+    call_id: int
+    function: str
+
+
+@dataclass(slots=True)
+class _LinkCalls:
+    running: dict[int, asyncio.Future[Any] | None] = field(default_factory=dict)
+    paused: bool = False
+
+
+class Inbound:
+    """Runs the calls that arrive on a worker's accepted links."""
+
+    def __init__(
+        self, worker: str, context: contextvars.Context, threads: int, max_running: int
+    ) -> None:
+        self.worker = worker
+        self.max_running = max_running
+        self._context = context
+        self._loop = asyncio.get_running_loop()
+        self._executor = ThreadPoolExecutor(threads, f"asyncrpc-{worker}")
+        self._links: dict[Link, _LinkCalls] = {}
+        self._completions: deque[tuple[IncomingCall, bool, Any]] = deque()
+        self._lock = threading.Lock()
+        self._drain_scheduled = False
+
+    # -- links ---------------------------------------------------------------------
+
+    def add_link(self, link: Link) -> None:
+        self._links[link] = _LinkCalls()
+
+    def drop_link(self, link: Link) -> bool:
+        """Forget a lost link and cancel what runs for it; False if it was not ours."""
+        calls = self._links.pop(link, None)
+        for future in calls.running.values() if calls else ():
+            if future is not None:
+                future.cancel()
+        return calls is not None
+
+    @property
+    def peers(self) -> set[str]:
+        return {link.peer.name for link in self._links}
+
+    @property
+    def running(self) -> int:
+        return sum(len(calls.running) for calls in self._links.values())
+
+    def close(self) -> None:
+        for link in list(self._links):
+            self.drop_link(link)
+            link.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- frames --------------------------------------------------------------------
+
+    def on_request(self, link: Link, frame: Frame) -> None:
+        call_id = frame.meta.get("i")
+        if type(call_id) is not int:
+            link.abort(RemoteProtocolError(f"request without a call id from {link.peer.name!r}"))
+            return
+        call = IncomingCall(link, call_id, str(frame.meta.get("f", "?")))
+        try:
+            func, args, kwargs = loads(frame.payload, frame.buffers)
+        except Exception as exc:
+            self._reply_error(
+                call,
+                SerializationError(
+                    f"worker {self.worker!r} cannot run {call.function}: {exc}",
+                    worker=self.worker,
+                    function=call.function,
+                ),
+            )
+            return
+        self._start(call, func, args, kwargs)
+        self._apply_backpressure(link)
+
+    def on_cancel(self, link: Link, frame: Frame) -> None:
+        calls = self._links.get(link)
+        future = calls.running.get(frame.meta.get("i", -1)) if calls else None
+        if future is not None:
+            future.cancel()
+
+    # -- running -------------------------------------------------------------------
+
+    def _start(
+        self,
+        call: IncomingCall,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        running = self._links[call.link].running
+        placement = describe(func)[0]
+        if placement is Placement.THREAD:
+            running[call.call_id] = None
+            self._executor.submit(
+                self._context.copy().run, self._run_in_thread, call, lambda: func(*args, **kwargs)
+            )
+            return
+        try:
+            if placement is Placement.LOOP:
+                future: asyncio.Future[Any] = self._loop.create_task(
+                    func(*args, **kwargs), context=self._context.copy()
+                )
+            else:
+                future = self._as_future(self._context.copy().run(func, *args, **kwargs), call)
+        except BaseException as exc:
+            self._reply_error(call, exc)
+            return
+        running[call.call_id] = future
+        future.add_done_callback(lambda f: self._reply_future(call, f))
+
+    def _run_in_thread(self, call: IncomingCall, run: Callable[[], Any]) -> None:
+        """In a pool thread: run the function and encode its reply right here."""
+        try:
+            outcome: tuple[bool, Any] = (
+                True,
+                call.link.encode(Kind.RESPONSE, {"i": call.call_id}, *dumps(run())),
+            )
+        except BaseException as exc:
+            outcome = (False, exc)
+        self._completions.append((call, *outcome))
+        with self._lock:
+            if self._drain_scheduled:
+                return
+            self._drain_scheduled = True
+        with contextlib.suppress(RuntimeError):  # loop closed: the agent has shut down
+            self._loop.call_soon_threadsafe(self._drain_completions)
+
+    def _drain_completions(self) -> None:
+        """On the loop: send every queued pool-thread reply (one wake-up per batch)."""
+        with self._lock:
+            self._drain_scheduled = False
+        while self._completions:
+            call, ok, value = self._completions.popleft()
+            if not self._retire(call):
+                continue
+            if ok:
+                call.link.write(value)
+            else:
+                self._reply_error(call, value)
+
+    def _as_future(self, awaitable: Any, call: IncomingCall) -> asyncio.Future[Any]:
+        if isinstance(awaitable, torch.futures.Future):
+            future = self._loop.create_future()
+
+            def done(source: torch.futures.Future[Any]) -> None:
+                self._loop.call_soon_threadsafe(_copy_torch_future, source, future)
+
+            awaitable.add_done_callback(done)
+            return future
+        if isinstance(awaitable, Coroutine):
+            return self._loop.create_task(awaitable, context=self._context.copy())
+        if asyncio.isfuture(awaitable):
+            return awaitable
+        raise TypeError(
+            f"async_execution function {call.function} returned "
+            f"{type(awaitable).__name__}, not an awaitable "
+            "(asyncio future, coroutine or torch.futures.Future)"
+        )
+
+    # -- replies -------------------------------------------------------------------
+
+    def _reply_future(self, call: IncomingCall, future: asyncio.Future[Any]) -> None:
+        if not self._retire(call) or future.cancelled():
+            return
+        error = future.exception()
+        if error is not None:
+            self._reply_error(call, error)
+            return
+        try:
+            call.link.send(Kind.RESPONSE, {"i": call.call_id}, *dumps(future.result()))
+        except Exception as exc:
+            self._reply_error(call, exc)
+
+    def _reply_error(self, call: IncomingCall, exc: BaseException) -> None:
+        if not call.link.closed:
+            call.link.send(
+                Kind.ERROR, {"i": call.call_id}, *pack_error(exc, self.worker, call.function)
+            )
+
+    def _retire(self, call: IncomingCall) -> bool:
+        """Forget a finished call; False if its link is gone."""
+        calls = self._links.get(call.link)
+        if calls is None:
+            return False
+        calls.running.pop(call.call_id, None)
+        self._apply_backpressure(call.link)
+        return not call.link.closed
+
+    def _apply_backpressure(self, link: Link) -> None:
+        calls = self._links[link]
+        if not calls.paused and len(calls.running) >= self.max_running:
+            calls.paused = True
+            link.pause_reading()
+        elif calls.paused and len(calls.running) <= self.max_running // 2:
+            calls.paused = False
+            link.resume_reading()
+
+
+def _copy_torch_future(source: torch.futures.Future[Any], target: asyncio.Future[Any]) -> None:
+    if target.done():
+        return
+    try:
+        target.set_result(source.value())
+    except BaseException as exc:
+        target.set_exception(exc)
