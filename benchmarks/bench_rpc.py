@@ -315,6 +315,38 @@ def render(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def notes(combined: dict[str, Results | None], raw: dict[str, list[Results]]) -> list[str]:
+    """Lines printed under the table: choices made and anything that looks wrong."""
+    lines = []
+    torch_r = combined["torch"]
+    if torch_r:
+        lines.append(
+            f"torch's coroutine no-op stand-in: {torch_r['coroutine_noop_via']} "
+            f"(plain noop {torch_r['noop_us']:.1f} µs, "
+            f"async_execution {torch_r['async_execution_noop_us']:.1f} µs)"
+        )
+    for side in SIDES:
+        memory = (combined[side] or {}).get("memory")
+        if memory:
+            lines.append(
+                f"{side} callee peak-RSS growth over receiving and echoing its first "
+                f"{memory['size_mb']} MB tensor: {memory['echo_growth_mb']:,.0f} MB"
+            )
+    for index, result in enumerate(raw.get("asyncrpc", [])):
+        info = result.get("debug_info", {})
+        leftovers = {
+            "pending outgoing calls": info.get("pending_outgoing_calls"),
+            "running incoming calls": info.get("running_incoming_calls"),
+            "shared-memory segments in use": (info.get("shared_memory") or {}).get(
+                "segments_in_use"
+            ),
+        }
+        for what, count in leftovers.items():
+            if count:
+                lines.append(f"warning: asyncrpc round {index + 1} ended with {count} {what}")
+    return lines
+
+
 # -- main -----------------------------------------------------------------------------
 
 
@@ -387,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         f"1-min load average {load_before:.2f} before / {load_after:.2f} after\n"
     )
     print(render(rows))
+    print("\n".join(["", *notes(combined, raw)]))
     if args.json:
         payload = {
             "machine": info,

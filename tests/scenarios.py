@@ -357,3 +357,19 @@ async def graceful_shutdown(cfg: Config) -> dict[str, Any]:
     seen["shutdown_seconds"] = time.monotonic() - started
     seen["state"] = "closed"
     return seen
+
+
+async def rendezvous(cfg: Config) -> dict[str, Any]:
+    """Join through the init_method in $TEST_INIT_METHOD (env://, file://, ...)."""
+    name = os.environ.get("TEST_WORKER_NAME", cfg.name)
+    try:
+        await asyncrpc.init_rpc(
+            name, rank=cfg.rank, world_size=cfg.world,
+            init_method=os.environ["TEST_INIT_METHOD"], rpc_timeout=15,
+        )
+    except Exception as exc:  # noqa: BLE001 - the error is the observation
+        return {"init_error": type(exc).__name__, "message": str(exc)}
+    peer = f"w{1 - cfg.rank}"
+    seen = {"peer_says": await asyncrpc.rpc_async(peer, whoami)}
+    await asyncrpc.shutdown()
+    return seen

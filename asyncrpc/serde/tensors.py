@@ -14,8 +14,8 @@ copying: the memoryview's exporter (a ctypes array) holds a reference to the
 tensor, so the memory stays alive for as long as a transport still holds the
 view.  On the receiving side the bytes are already in fresh storage (a uint8
 tensor, or a shared-memory mapping), and the tensor is a typed, strided view of
-it.  CUDA tensors are staged through host memory after their stream finishes
-(``Tensor.cpu`` synchronises) and land on the same device index on the receiver.
+it.  CUDA tensors are staged through host memory once every stream of their
+device has finished, and land on the same device index on the receiver.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def dump_tensor(tensor: torch.Tensor) -> tuple[TensorMeta, memoryview]:
     """Split a tensor into header meta and a zero-copy view of its bytes."""
     device = str(tensor.device)
     data = tensor.detach().resolve_conj().resolve_neg()  # lazy bits are not in the bytes
-    if data.device.type != "cpu":
+    if data.device.type == "cuda":
+        torch.cuda.synchronize(data.device)  # whichever stream produced it has finished
         data = data.cpu()
     if _span(data) > data.numel():
         data = data.contiguous()
