@@ -364,8 +364,11 @@ async def rendezvous(cfg: Config) -> dict[str, Any]:
     name = os.environ.get("TEST_WORKER_NAME", cfg.name)
     try:
         await asyncrpc.init_rpc(
-            name, rank=cfg.rank, world_size=cfg.world,
-            init_method=os.environ["TEST_INIT_METHOD"], rpc_timeout=15,
+            name,
+            rank=cfg.rank,
+            world_size=cfg.world,
+            init_method=os.environ["TEST_INIT_METHOD"],
+            rpc_timeout=15,
         )
     except Exception as exc:  # noqa: BLE001 - the error is the observation
         return {"init_error": type(exc).__name__, "message": str(exc)}

@@ -62,6 +62,7 @@ class AgentOptions:
     shared_memory: bool = True
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     connect_timeout: float = 30.0
+    handshake_timeout: float = 10.0
     max_running_per_link: int = 4096
 
 
@@ -346,6 +347,7 @@ class RpcAgent:
             allocate=allocate_tensor_storage,
             max_frame_size=self.options.max_frame_size,
             segments=self._segments,
+            handshake_timeout=self.options.handshake_timeout,
         )
 
     def _inbound_link(self) -> Link:

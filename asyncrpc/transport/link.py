@@ -81,6 +81,7 @@ class Link(asyncio.BufferedProtocol):
         self._outbox: Parts = []
         self._flush_scheduled = False
         self._paused = False
+        self._reading_paused = False
         self._released: list[int] = []
         self._handshake_timer = self._loop.call_later(handshake_timeout, self._handshake_expired)
 
@@ -110,8 +111,12 @@ class Link(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self._decoder.buffer_updated(nbytes)
+        self._process_frames()
+
+    def _process_frames(self) -> None:
+        """Hand every complete frame up, unless reading is paused (they stay staged)."""
         try:
-            while not self.closed:
+            while not self.closed and not self._reading_paused:
                 frame = self._decoder.next_event()
                 if frame is NEED_DATA:
                     return
@@ -199,12 +204,16 @@ class Link(asyncio.BufferedProtocol):
     # -- flow control for readers --------------------------------------------------
 
     def pause_reading(self) -> None:
+        """Stop handing frames up (already-received ones wait) and stop reading the socket."""
+        self._reading_paused = True
         if self._transport is not None and not self.closed:
             self._transport.pause_reading()
 
     def resume_reading(self) -> None:
+        self._reading_paused = False
         if self._transport is not None and not self.closed:
             self._transport.resume_reading()
+            self._loop.call_soon(self._process_frames)
 
     # -- receiving -----------------------------------------------------------------
 

@@ -1,0 +1,147 @@
+"""Several agents on one event loop, over real loopback sockets: fast edge-case tests."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from asyncrpc import PeerLostError, RPCTimeoutError
+from asyncrpc.agent import AgentOptions, RpcAgent
+
+pytestmark = pytest.mark.timeout(30)
+
+SECRET = b"in-process test secret"
+
+
+@pytest.fixture(params=["unix", "tcp"])
+async def pair(request: pytest.FixtureRequest) -> AsyncIterator[tuple[RpcAgent, RpcAgent]]:
+    options = AgentOptions(
+        transports=(request.param,), handshake_timeout=0.5, max_running_per_link=8, rpc_timeout=10
+    )
+    agents = [RpcAgent(name, rank, SECRET, options) for rank, name in enumerate("ab")]
+    addresses = [await agent.start() for agent in agents]
+    for agent in agents:
+        agent.join(addresses)
+    yield agents[0], agents[1]
+    for agent in agents:
+        await agent.shutdown(graceful=False)
+
+
+class Probe:
+    """What the remote functions below observe (fresh for every test and loop)."""
+
+    started: asyncio.Event
+    cancelled: asyncio.Event
+    gate: asyncio.Event
+    running_now = 0
+    most_running = 0
+
+
+@pytest.fixture(autouse=True)
+async def probe() -> None:
+    Probe.started, Probe.cancelled, Probe.gate = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    Probe.running_now = Probe.most_running = 0
+
+
+async def wait_forever() -> None:
+    Probe.started.set()
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        Probe.cancelled.set()
+        raise
+
+
+async def wait_at_gate(i: int) -> int:
+    Probe.running_now += 1
+    Probe.most_running = max(Probe.most_running, Probe.running_now)
+    await Probe.gate.wait()
+    Probe.running_now -= 1
+    return i
+
+
+async def test_timeout_cancels_the_remote_coroutine(pair: tuple[RpcAgent, RpcAgent]) -> None:
+    a, _ = pair
+    with pytest.raises(RPCTimeoutError, match="'b'"):
+        await a.rpc_async("b", wait_forever, timeout=0.2)
+    assert Probe.started.is_set()
+    await asyncio.wait_for(Probe.cancelled.wait(), 5)  # the CANCEL reached the callee
+
+
+async def test_backlog_pauses_reading_and_every_call_completes(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    a, b = pair
+    calls = [a.rpc_async("b", wait_at_gate, args=(i,)) for i in range(100)]
+    while b.debug_info()["running_incoming_calls"] < 8:
+        await asyncio.sleep(0)
+    for _ in range(20):  # give the loop chances to (wrongly) admit more than the limit
+        await asyncio.sleep(0)
+    assert b.debug_info()["running_incoming_calls"] == 8
+    Probe.gate.set()
+    assert await asyncio.gather(*calls) == list(range(100))
+    assert Probe.most_running <= 8 + 1  # reading pauses once the limit is reached
+
+
+async def test_silent_connection_is_dropped_after_handshake_timeout(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    _, b = pair
+    reader, writer = await _open(b)
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # closed on us
+    writer.close()
+    assert await b.rpc_async("a", torch.add, args=(1, 2)) == 3
+
+
+async def test_truncated_frame_then_close_leaves_the_worker_serving(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    a, b = pair
+    reader, writer = await _open(b)
+    writer.write(struct.pack("<HHI", 0xA5C1, 0, 200) + b"\x94\x01")  # promises 200 bytes
+    await writer.drain()
+    writer.close()
+    assert await a.rpc_async("b", torch.add, args=(2, 2)) == 4
+
+
+async def test_pending_calls_fail_when_the_peer_goes_away(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    a, b = pair
+    assert await a.rpc_async("b", torch.add, args=(1, 1)) == 2
+    call = a.rpc_async("b", wait_forever, timeout=0)  # no deadline: only the loss ends it
+    await asyncio.wait_for(Probe.started.wait(), 5)
+    await b.shutdown(graceful=False)
+    with pytest.raises(PeerLostError, match="'b'"):
+        await asyncio.wait_for(call, 5)
+    assert a.debug_info()["pending_outgoing_calls"] == 0
+
+
+async def test_large_tensors_use_shared_memory_and_release_it(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    a, b = pair
+    x = torch.randn(4 * 1024 * 1024)  # 16 MiB, above the shared-memory threshold
+    y = await a.rpc_async("b", torch.mul, args=(x, 2))
+    assert torch.equal(y, x * 2)
+    stats = b.debug_info()["shared_memory"]
+    assert stats["segments_in_use"] == 1  # our y still maps b's reply segment
+    del y
+    while b.debug_info()["shared_memory"]["segments_in_use"]:
+        await asyncio.sleep(0.01)  # waiting for the RELEASE message to arrive
+    assert b.debug_info()["shared_memory"]["segments_idle"] >= 1
+
+
+async def _open(agent: RpcAgent) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    address = next(iter(agent.address.addresses.values()))
+    if address.startswith("tcp://"):
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        return await asyncio.open_connection(host, int(port))
+    sock = socket.socket(socket.AF_UNIX)
+    sock.connect("\0" + address.removeprefix("unix://@"))
+    return await asyncio.open_unix_connection(sock=sock)
