@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import _remote_fns as fns
 import uvloop
@@ -23,12 +24,14 @@ from _common import (
     make_tensor,
     ns_to_us,
     parse_worker_args,
+    pin_to,
     summary,
     write_results,
 )
 
 import asyncrpc
 
+T = TypeVar("T")
 SERVE_LIMIT_S = 600.0
 """How long the serving rank waits for the driver to finish (the parent kills sooner)."""
 
@@ -116,7 +119,7 @@ async def debug_info_when_settled() -> dict[str, Any]:
     return info
 
 
-async def bounded(cfg: Config, step: Any) -> Any:
+async def bounded(cfg: Config, step: Coroutine[Any, Any, T]) -> T:
     """Await one workload, failing it after ``cfg.step_timeout`` seconds."""
     async with asyncio.timeout(cfg.step_timeout):
         return await step
@@ -153,4 +156,6 @@ async def main(args: WorkerArgs) -> None:
 
 
 if __name__ == "__main__":
-    uvloop.run(main(parse_worker_args()))
+    worker_args = parse_worker_args()
+    pin_to(worker_args.cpu)
+    uvloop.run(main(worker_args))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -79,6 +80,7 @@ class WorkerArgs:
     port: int
     out: Path
     quick: bool
+    cpu: int | None
 
     @property
     def init_method(self) -> str:
@@ -91,8 +93,17 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> WorkerArgs:
     parser.add_argument("port", type=int)
     parser.add_argument("out", type=Path, help="where rank 0 writes its results (JSON)")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--cpu", type=int, help="run every thread of this process on this CPU")
     ns = parser.parse_args(argv)
-    return WorkerArgs(ns.rank, ns.port, ns.out, ns.quick)
+    return WorkerArgs(ns.rank, ns.port, ns.out, ns.quick, ns.cpu)
+
+
+def pin_to(cpu: int | None) -> None:
+    """Bind this process's threads (those alive now, and so those they start) to ``cpu``."""
+    if cpu is None:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), {cpu})
 
 
 def make_tensor(nbytes: int) -> torch.Tensor:

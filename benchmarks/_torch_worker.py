@@ -23,6 +23,7 @@ from _common import (
     make_tensor,
     ns_to_us,
     parse_worker_args,
+    pin_to,
     summary,
     write_results,
 )
@@ -120,6 +121,7 @@ def main() -> None:
     # torch's own rpc.init_rpc/shutdown trigger this deprecation warning; it is not ours.
     warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
     args = parse_worker_args()
+    pin_to(args.cpu)
     cfg = config(args.quick)
     options = rpc.TensorPipeRpcBackendOptions(
         init_method=args.init_method, num_worker_threads=16, rpc_timeout=cfg.rpc_timeout

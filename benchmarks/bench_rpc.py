@@ -2,34 +2,45 @@
 
 What it measures
 ----------------
-Each framework runs as two worker processes talking over loopback: ``w0``
-calls, ``w1`` serves.  torch runs first, then asyncrpc (on uvloop), never both
-at once, so they do not compete for cores.  Every workload warms up first.
+Each framework runs as two fresh worker processes talking over loopback: ``w0``
+calls, ``w1`` serves.  Only one pair runs at a time, so the frameworks never
+compete for cores; a full run alternates torch and asyncrpc for three rounds
+(``--rounds``) so that background load hits both alike.  Each workload warms up
+first; a row reports the median over rounds of each round's median.
 
 1. no-op round trip: ``noop()`` (a plain function, run in the callee's thread
-   pool) called sequentially; median over batches of the mean time per call.
+   pool) called sequentially; per round, the median over batches of the mean
+   time per call.
 2. coroutine no-op round trip: asyncrpc calls ``async def coro_noop()``, which
    runs on the callee's event loop.  torch cannot run coroutines, so its number
    is the faster of its plain no-op and an ``@rpc.functions.async_execution``
-   function returning an already-completed Future (the table says which).
+   function returning an already-completed Future (the row says which).
 3. pipelined no-op: ``noop()`` with 256 calls in flight at all times; calls per
-   second, median over repeats.
+   second over 20,000 calls.
 4. tensor echo: ``echo(x)`` returns its float32 argument of 4, 64 and 400 MB
-   (MB = 2**20 bytes); median round-trip time after a checked warm-up.
+   (MB = 2**20 bytes); round-trip time after a warm-up whose result is checked.
 5. memory: growth of the callee's peak RSS (``ru_maxrss``) while it receives
-   the largest tensor, measured before any other large transfer.  The target
-   is about the tensor's own size (at most 1.1 times it).
+   the largest tensor, before any other large transfer in that process pair
+   (the worst round counts).  The target is about the tensor's own size: at
+   most 1.1 times it, judged from 64 MB up.
 
 How to read it
 --------------
 ``ratio`` is how many times better asyncrpc does: torch time / asyncrpc time
-for latencies, asyncrpc rate / torch rate for throughput.  ``target`` is the
-ratio asyncrpc must reach and the last column says whether it did.  For the
-memory row the ratio is asyncrpc's growth divided by the tensor size.  Numbers
-from a 2-core machine are noisy; compare runs on the same machine only.
+for latencies, asyncrpc rate / torch rate for throughput; ``target`` is the
+ratio asyncrpc must reach and ``met`` says whether it did.  For the memory row
+the ratio is asyncrpc's growth divided by the tensor size.  Notes under the
+table name torch's coroutine stand-in, the callee's growth over a whole echo,
+and calls or shared-memory segments asyncrpc still held at the end.  Small
+machines are noisy (the load average is printed): compare runs on the same
+machine, and look at the per-sample numbers that ``--json`` writes.  On small
+VMs, waking a process on another vCPU can cost more than the RPC itself, and
+where the OS places the two workers varies from run to run; ``--pin same`` or
+``--pin split`` fixes the placement (one shared CPU, or one CPU each).
 
-Usage: ``python benchmarks/bench_rpc.py [--quick] [--only torch|asyncrpc] [--json PATH]``.
-``--quick`` (small counts, tensors up to 4 MB) is the smoke test.
+Usage: ``python benchmarks/bench_rpc.py [--quick] [--only torch|asyncrpc]
+[--rounds N] [--pin same|split] [--json PATH]``.  ``--quick`` (one round, small
+counts, tensors up to 4 MB, well under a minute) is the smoke test.
 """
 
 from __future__ import annotations
@@ -66,6 +77,10 @@ MEMORY_JUDGED_FROM_MB = 64  # below this, allocator and page noise swamp the ten
 LOG_TAIL_LINES = 20
 
 
+Pinning = tuple[int | None, int | None]
+"""The CPU each rank is bound to (None: wherever the OS schedules it)."""
+
+
 class BenchError(RuntimeError):
     """A worker failed or overran its time limit."""
 
@@ -80,12 +95,16 @@ def free_port() -> int:
 
 
 def spawn_worker(
-    side: str, rank: int, port: int, *, out: Path, quick: bool, log: Path
+    side: str, rank: int, port: int, *, out: Path, quick: bool, cpu: int | None, log: Path
 ) -> subprocess.Popen[bytes]:
     command = [sys.executable, str(WORKERS[side]), str(rank), str(port), str(out)]
+    if quick:
+        command.append("--quick")
+    if cpu is not None:
+        command.append(f"--cpu={cpu}")
     with log.open("wb") as sink:
         return subprocess.Popen(
-            [*command, "--quick"] if quick else command,
+            command,
             stdin=subprocess.DEVNULL,
             stdout=sink,
             stderr=subprocess.STDOUT,
@@ -126,7 +145,7 @@ def wait_all(procs: list[subprocess.Popen[bytes]], logs: list[Path], limit_s: fl
             raise BenchError(f"worker rank {rank} exited with {proc.returncode}:\n{log_tail(log)}")
 
 
-def run_side(side: str, quick: bool, workdir: Path, tag: str) -> Results:
+def run_side(side: str, quick: bool, cpus: Pinning, workdir: Path, tag: str) -> Results:
     """Run one framework's two workers to completion; returns rank 0's results."""
     out = workdir / f"{side}-{tag}.json"
     logs = [workdir / f"{side}-{tag}-rank{rank}.log" for rank in (0, 1)]
@@ -135,7 +154,9 @@ def run_side(side: str, quick: bool, workdir: Path, tag: str) -> Results:
     started = time.monotonic()
     try:
         for rank in (0, 1):
-            procs.append(spawn_worker(side, rank, port, out=out, quick=quick, log=logs[rank]))
+            procs.append(
+                spawn_worker(side, rank, port, out=out, quick=quick, cpu=cpus[rank], log=logs[rank])
+            )
         wait_all(procs, logs, SIDE_LIMIT_S["quick" if quick else "full"])
     finally:
         stop(procs)
@@ -147,13 +168,15 @@ def run_side(side: str, quick: bool, workdir: Path, tag: str) -> Results:
     return results
 
 
-def run_rounds(sides: list[str], rounds: int, quick: bool) -> dict[str, list[Results]]:
+def run_rounds(
+    sides: list[str], rounds: int, quick: bool, cpus: Pinning
+) -> dict[str, list[Results]]:
     """Alternate the sides, one pair of fresh processes at a time, ``rounds`` times."""
     raw: dict[str, list[Results]] = {side: [] for side in sides}
     with tempfile.TemporaryDirectory(prefix="bench_rpc-") as tmp:
         for index in range(rounds):
             for side in sides:
-                result = run_side(side, quick, Path(tmp), f"round{index}")
+                result = run_side(side, quick, cpus, Path(tmp), f"round{index}")
                 raw[side].append(result)
                 print(
                     f"round {index + 1}/{rounds}: {side} done in {result['wall_s']:.0f}s",
@@ -367,6 +390,22 @@ def machine() -> dict[str, Any]:
     }
 
 
+def pinning(pin: str | None) -> Pinning:
+    """CPUs for ranks 0 and 1: ``same`` shares one CPU, ``split`` gives each its own."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if pin is None:
+        return (None, None)
+    if pin == "same":
+        return (allowed[0], allowed[0])
+    if len(allowed) < 2:
+        raise BenchError("--pin split needs two CPUs")
+    return (allowed[0], allowed[1])
+
+
+def describe(cpus: Pinning) -> str:
+    return "unpinned" if cpus == (None, None) else f"{cpus[0]}/{cpus[1]}"
+
+
 def load_average() -> float:
     return os.getloadavg()[0]
 
@@ -382,6 +421,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         metavar="N",
         help="fresh process pairs per framework, alternating (default 3; quick 1)",
+    )
+    parser.add_argument(
+        "--pin",
+        choices=("same", "split"),
+        help="bind both workers to one CPU, or each to its own (default: let the OS place them)",
     )
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write raw numbers here")
     args = parser.parse_args(argv)
@@ -410,12 +454,14 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     sides = [side for side in SIDES if args.only in (None, side)]
-    raw = run_rounds(sides, args.rounds, args.quick)
+    cpus = pinning(args.pin)
+    raw = run_rounds(sides, args.rounds, args.quick, cpus)
     combined = {side: combine(side, raw[side]) if side in raw else None for side in SIDES}
     rows = build_rows(cfg, combined["torch"], combined["asyncrpc"])
     load_after = load_average()
     print(
         f"\nmode: {mode}, {args.rounds} round(s) per framework (median over rounds), "
+        f"CPUs of ranks 0/1: {describe(cpus)}, "
         f"1-min load average {load_before:.2f} before / {load_after:.2f} after\n"
     )
     print(render(rows))
@@ -425,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": info,
             "mode": mode,
             "rounds": args.rounds,
+            "cpus": list(cpus),
             "config": cfg.as_dict(),
             "load_average": [load_before, load_after],
             "combined": combined,

@@ -370,7 +370,7 @@ async def rendezvous(cfg: Config) -> dict[str, Any]:
             init_method=os.environ["TEST_INIT_METHOD"],
             rpc_timeout=15,
         )
-    except Exception as exc:  # noqa: BLE001 - the error is the observation
+    except Exception as exc:
         return {"init_error": type(exc).__name__, "message": str(exc)}
     peer = f"w{1 - cfg.rank}"
     seen = {"peer_says": await asyncrpc.rpc_async(peer, whoami)}

@@ -64,25 +64,33 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class _Mapping:
-    """One ``mmap`` of a descriptor, made through libc so that it holds no descriptor
-    (Python's ``mmap.mmap`` keeps a duplicate open for the mapping's whole life).
-    Unmapped when this object is collected; ``on_unmap`` runs then."""
+    """Owns one ``mmap`` made through libc, so that it holds no file descriptor (Python's
+    ``mmap.mmap`` keeps a duplicate open for the mapping's whole life).  Unmapped when
+    collected, and ``on_unmap`` runs then."""
 
-    def __init__(self, fd: int, nbytes: int, on_unmap: Callable[[], None] | None = None) -> None:
-        flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
-        address = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
-        if address in (None, _MAP_FAILED):
-            errno = ctypes.get_errno()
-            raise OSError(errno, f"mmap of {nbytes} bytes failed: {os.strerror(errno)}")
+    def __init__(self, address: int, nbytes: int, on_unmap: Callable[[], None] | None) -> None:
         self.address, self.nbytes, self._on_unmap = address, nbytes, on_unmap
-        array = (ctypes.c_char * nbytes).from_address(address)
-        array._mapping = self  # type: ignore[attr-defined]  # the view keeps us alive
-        self.view = memoryview(array).cast("B")
 
     def __del__(self) -> None:
         _libc.munmap(self.address, self.nbytes)
         if self._on_unmap is not None:
             self._on_unmap()
+
+
+def _map(fd: int, nbytes: int, on_unmap: Callable[[], None] | None = None) -> memoryview:
+    """Map ``nbytes`` of ``fd`` shared and pre-faulted; the returned view owns the mapping.
+
+    Ownership runs one way only (view -> ctypes array -> _Mapping), so the mapping is
+    freed the moment the last view or tensor on it dies, without waiting for the GC.
+    """
+    flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
+    address = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+    if address in (None, _MAP_FAILED):
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mmap of {nbytes} bytes failed: {os.strerror(errno)}")
+    array = (ctypes.c_char * nbytes).from_address(address)
+    array._mapping = _Mapping(address, nbytes, on_unmap)  # type: ignore[attr-defined]
+    return memoryview(array).cast("B")
 
 
 @dataclass(slots=True)
@@ -170,7 +178,7 @@ def _create_segment(nbytes: int) -> _Segment:
     fd = os.memfd_create("asyncrpc-segment", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, capacity)
-        memory = _Mapping(fd, capacity).view
+        memory = _map(fd, capacity)
     except BaseException:
         os.close(fd)
         raise
@@ -192,7 +200,6 @@ def map_segment(pid: int, ref: ExternalRef, on_release: Callable[[int], None]) -
             raise RemoteProtocolError(f"{path} is not an asyncrpc segment")
         if not 0 < ref.nbytes <= os.fstat(fd).st_size:
             raise RemoteProtocolError(f"segment {path} does not hold {ref.nbytes} bytes")
-        mapping = _Mapping(fd, ref.nbytes, lambda: on_release(ref.key))
+        return _map(fd, ref.nbytes, lambda: on_release(ref.key))
     finally:
         os.close(fd)
-    return mapping.view

@@ -102,7 +102,7 @@ async def test_truncated_frame_then_close_leaves_the_worker_serving(
     pair: tuple[RpcAgent, RpcAgent],
 ) -> None:
     a, b = pair
-    reader, writer = await _open(b)
+    _reader, writer = await _open(b)
     writer.write(struct.pack("<HHI", 0xA5C1, 0, 200) + b"\x94\x01")  # promises 200 bytes
     await writer.drain()
     writer.close()
