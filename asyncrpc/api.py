@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+import torch.distributed as dist
 
 from asyncrpc.agent import (
     AgentOptions,
@@ -22,6 +23,7 @@ from asyncrpc.rendezvous import Store, create_store, exchange, job_secret, liste
 from asyncrpc.wire import DEFAULT_MAX_FRAME_SIZE
 
 Target = str | int | WorkerInfo
+T = TypeVar("T")
 
 
 async def init_rpc(
@@ -52,33 +54,52 @@ async def init_rpc(
     if running is not None and running.state != "closed":
         raise AgentStateError("init_rpc was already called in this process; call shutdown first")
     validate_name(name)
-    rank = int(os.environ["RANK"]) if rank is None else rank
-    world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
+    rank = _from_env("RANK") if rank is None else rank
+    world_size = _from_env("WORLD_SIZE") if world_size is None else world_size
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, {world_size})")
+    wait = rpc_timeout if rpc_timeout > 0 else 1800.0
+    if listen_host is None:
+        listen_host = listen_host_for(init_method, store)
     if store is None:
-        store = await asyncio.to_thread(
-            create_store, init_method, rank, world_size, rpc_timeout or 300.0
-        )
-    secret = await asyncio.to_thread(job_secret, store, rank)
+        store = await _rendezvous(create_store, init_method, rank, world_size, wait)
+    secret = await _rendezvous(job_secret, store, rank)
     options = AgentOptions(
         rpc_timeout=rpc_timeout,
         num_worker_threads=num_worker_threads,
         transports=transports,
         shared_memory=shared_memory,
-        listen_host=listen_host or (listen_host_for(init_method) if init_method else "127.0.0.1"),
+        listen_host=listen_host,
         max_frame_size=max_frame_size,
     )
     agent = RpcAgent(name, rank, secret, options)
     me = await agent.start()
     try:
-        records = await asyncio.to_thread(exchange, store, rank, world_size, me.to_dict(), name)
+        records = await _rendezvous(exchange, store, rank, world_size, me.to_dict(), name)
     except BaseException:
         await agent.shutdown(graceful=False)
         raise
     agent.join([WorkerAddress.from_dict(r) for r in records])
     agent.store = store  # type: ignore[attr-defined]  # keeps a hosted TCPStore alive
     set_default_agent(agent)
+
+
+def _from_env(variable: str) -> int:
+    try:
+        return int(os.environ[variable])
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"init_rpc needs {variable.lower()}= or the environment variable {variable} "
+            "(torchrun sets it)"
+        ) from None
+
+
+async def _rendezvous(step: Callable[..., T], *args: Any) -> T:
+    """Run a blocking store step in a thread; the store's timeouts become ours."""
+    try:
+        return await asyncio.to_thread(step, *args)
+    except dist.DistStoreError as exc:
+        raise RPCTimeoutError(f"rendezvous did not complete: {exc}") from exc
 
 
 def _agent() -> RpcAgent:
@@ -91,7 +112,7 @@ def _agent() -> RpcAgent:
 def rpc_async(
     to: Target,
     func: Callable[..., Any],
-    args: tuple[Any, ...] = (),
+    args: tuple[Any, ...] | None = (),
     kwargs: dict[str, Any] | None = None,
     timeout: float | None = None,
 ) -> asyncio.Future[Any]:
@@ -108,7 +129,7 @@ def rpc_async(
 def rpc_sync(
     to: Target,
     func: Callable[..., Any],
-    args: tuple[Any, ...] = (),
+    args: tuple[Any, ...] | None = (),
     kwargs: dict[str, Any] | None = None,
     timeout: float | None = None,
 ) -> Any:
@@ -137,14 +158,14 @@ def rpc_sync(
 def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
     try:
         return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return threading.current_thread() is threading.main_thread() and False
+    except RuntimeError:  # no loop runs in this thread
+        return False
 
 
-def get_worker_info(name: str | None = None) -> WorkerInfo:
-    """The WorkerInfo of worker ``name``, or of this worker when ``name`` is None."""
+def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
+    """The WorkerInfo of ``worker_name`` (a name or a rank), or of this worker when None."""
     agent = _agent()
-    return agent.info if name is None else agent.resolve(name).info
+    return agent.info if worker_name is None else agent.resolve(worker_name).info
 
 
 def get_debug_info() -> dict[str, Any]:

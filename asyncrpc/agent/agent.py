@@ -38,6 +38,7 @@ from asyncrpc.agent.worker import WorkerAddress, WorkerInfo
 from asyncrpc.errors import (
     AgentStateError,
     HandshakeError,
+    LocalProtocolError,
     PeerLostError,
     RPCTimeoutError,
     SerializationError,
@@ -137,17 +138,23 @@ class RpcAgent:
         bound = self.options.rpc_timeout if timeout is None else timeout
         try:
             if graceful and self.state == "running":
-                async with asyncio.timeout(bound):
+                async with asyncio.timeout(bound if bound > 0 else None):
                     await self._idle.wait()
                     await self._barrier()
         except TimeoutError:
-            waiting = sorted(set(self._workers) - self._peers_done - self._dead - {self.info.name})
             raise RPCTimeoutError(
-                f"shutdown of {self.info.name!r} timed out after {bound}s; "
-                f"pending calls: {len(self._pending)}, workers not done: {waiting}"
+                f"shutdown of {self.info.name!r} timed out after {bound}s: {self._waiting_for()}"
             ) from None
         finally:
             await self._close()
+
+    def _waiting_for(self) -> str:
+        if self._pending:
+            calls = sorted({f"{c.function} on {c.peer!r}" for c in self._pending.values()})
+            return f"{len(self._pending)} of our calls still pending ({', '.join(calls[:5])})"
+        others = set(self._workers) - {self.info.name}
+        missing = sorted(others - self._peers_done - self._dead)
+        return f"workers that have not called shutdown: {missing}"
 
     async def _barrier(self) -> None:
         self.state = "draining"
@@ -199,7 +206,7 @@ class RpcAgent:
         self,
         to: str | int | WorkerInfo,
         func: Callable[..., Any],
-        args: tuple[Any, ...] = (),
+        args: tuple[Any, ...] | None = (),
         kwargs: dict[str, Any] | None = None,
         timeout: float | None = None,
     ) -> asyncio.Future[Any]:
@@ -207,7 +214,13 @@ class RpcAgent:
         self._check_usable()
         peer = self.resolve(to).name
         name = describe(func)[1]
-        payload, buffers = dumps((func, args, kwargs or {}))
+        payload, buffers = dumps((func, args or (), kwargs or {}))
+        size = len(payload) + sum(b.nbytes for b in buffers)
+        if size > self.options.max_frame_size:
+            raise LocalProtocolError(
+                f"call to {name} on worker {peer!r} carries {size} bytes, more than "
+                f"max_frame_size ({self.options.max_frame_size})"
+            )
         call_id = next(self._ids)
         call = PendingCall(
             self._loop.create_future(),
@@ -222,10 +235,23 @@ class RpcAgent:
         meta = {"i": call_id, "f": name}
         link = self._links.get(peer)
         if link is not None:
-            link.send(Kind.REQUEST, meta, payload, buffers)
+            self._send_request(link, call_id, meta, payload, buffers)
         else:
             self._spawn(self._send_after_dial(peer, call_id, meta, payload, buffers))
         return call.future
+
+    def _send_request(
+        self,
+        link: Link,
+        call_id: int,
+        meta: dict[str, Any],
+        payload: bytes,
+        buffers: list[memoryview],
+    ) -> None:
+        try:
+            link.send(Kind.REQUEST, meta, payload, buffers)
+        except Exception as exc:  # e.g. no shared memory left: the call fails, visibly
+            self._finish(call_id, error=exc)
 
     async def _send_after_dial(
         self,
@@ -241,7 +267,7 @@ class RpcAgent:
             self._finish(call_id, error=exc)
             return
         if call_id in self._pending:
-            link.send(Kind.REQUEST, meta, payload, buffers)
+            self._send_request(link, call_id, meta, payload, buffers)
 
     async def _connect(self, peer: str) -> Link:
         link = self._links.get(peer)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from asyncrpc.agent.dispatch import Placement, describe, pack_error
-from asyncrpc.errors import RemoteProtocolError, SerializationError
+from asyncrpc.errors import RemoteError, RemoteProtocolError, SerializationError
 from asyncrpc.serde import dumps, loads
 from asyncrpc.transport import Link
 from asyncrpc.wire import Frame, Kind
@@ -121,10 +121,14 @@ class Inbound:
         self._apply_backpressure(link)
 
     def on_cancel(self, link: Link, frame: Frame) -> None:
+        """The caller gave up: stop the work, and send nothing (nobody waits for it)."""
         calls = self._links.get(link)
-        future = calls.running.get(frame.meta.get("i", -1)) if calls else None
-        if future is not None:
-            future.cancel()
+        if calls is None or calls.running.get(frame.meta.get("i", -1)) is None:
+            return  # finished already, or in a pool thread (cannot be interrupted)
+        future = calls.running.pop(frame.meta["i"])
+        assert future is not None
+        self._apply_backpressure(link)
+        future.cancel()
 
     # -- running -------------------------------------------------------------------
 
@@ -198,7 +202,9 @@ class Inbound:
         if isinstance(awaitable, Coroutine):
             return self._loop.create_task(awaitable, context=self._context.copy())
         if asyncio.isfuture(awaitable):
-            return awaitable
+            # Callers often share one future (a batch): cancelling this call's view of
+            # it (its caller timed out) must not cancel it for the others.
+            return asyncio.shield(awaitable)
         raise TypeError(
             f"async_execution function {call.function} returned "
             f"{type(awaitable).__name__}, not an awaitable "
@@ -208,7 +214,12 @@ class Inbound:
     # -- replies -------------------------------------------------------------------
 
     def _reply_future(self, call: IncomingCall, future: asyncio.Future[Any]) -> None:
-        if not self._retire(call) or future.cancelled():
+        if not self._retire(call):
+            return
+        if future.cancelled():  # by the callee's own code: the caller still waits
+            self._reply_error(
+                call, RemoteError(f"{call.function} was cancelled on worker {self.worker!r}")
+            )
             return
         error = future.exception()
         if error is not None:
@@ -226,11 +237,12 @@ class Inbound:
             )
 
     def _retire(self, call: IncomingCall) -> bool:
-        """Forget a finished call; False if its link is gone."""
+        """Forget a finished call; False if nobody awaits its reply any more (its link is
+        gone, or its caller cancelled it)."""
         calls = self._links.get(call.link)
-        if calls is None:
+        if calls is None or call.call_id not in calls.running:
             return False
-        calls.running.pop(call.call_id, None)
+        del calls.running[call.call_id]
         self._apply_backpressure(call.link)
         return not call.link.closed
 

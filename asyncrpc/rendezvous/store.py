@@ -78,16 +78,24 @@ def _tcp_store(
     )
 
 
-def listen_host_for(init_method: str) -> str:
+def listen_host_for(init_method: str, store: Store | None = None) -> str:
     """The local address peers of this job can reach: loopback for a loopback job,
-    else the interface that routes to the store's host."""
-    if init_method.startswith("file://"):
+    else the interface that routes to the store's host.  A FileStore (or a store
+    of unknown host) means one machine unless ``listen_host`` says otherwise."""
+    if store is not None:
+        host, port = getattr(store, "host", None), getattr(store, "port", 0)
+        if host is None:
+            return "127.0.0.1"
+    elif init_method.startswith("file://"):
         return "127.0.0.1"
-    host, port = master_address(init_method)
+    else:
+        host, port = master_address(init_method)
     try:
         resolved = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0][4][0]
-    except OSError:
-        return "0.0.0.0"
+    except OSError as exc:
+        raise ValueError(
+            f"cannot resolve the store host {host!r} ({exc}); pass listen_host= explicitly"
+        ) from exc
     if ipaddress.ip_address(resolved).is_loopback:
         return str(resolved)
     family = socket.AF_INET6 if ":" in str(resolved) else socket.AF_INET

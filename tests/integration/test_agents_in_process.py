@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
-from asyncrpc import PeerLostError, RPCTimeoutError
-from asyncrpc.agent import AgentOptions, RpcAgent
+from asyncrpc import PeerLostError, RemoteError, RPCTimeoutError
+from asyncrpc.agent import AgentOptions, RpcAgent, async_execution
+from asyncrpc.errors import LocalProtocolError
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -145,3 +146,64 @@ async def _open(agent: RpcAgent) -> tuple[asyncio.StreamReader, asyncio.StreamWr
     sock = socket.socket(socket.AF_UNIX)
     sock.connect("\0" + address.removeprefix("unix://@"))
     return await asyncio.open_unix_connection(sock=sock)
+
+
+class Shared:
+    """One future that every caller of ``join_batch`` waits on (the batching pattern)."""
+
+    future: asyncio.Future[str] | None = None
+
+
+@async_execution
+def join_batch() -> asyncio.Future[str]:
+    if Shared.future is None:
+        Shared.future = asyncio.get_running_loop().create_future()
+    return Shared.future
+
+
+async def cancel_myself() -> None:
+    raise asyncio.CancelledError
+
+
+async def test_one_callers_timeout_does_not_cancel_a_shared_batch(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    a, b = pair
+    Shared.future = None
+    impatient = a.rpc_async("b", join_batch, timeout=0.1)
+    patient = a.rpc_async("b", join_batch, timeout=10)
+    with pytest.raises(RPCTimeoutError):
+        await impatient
+    while b.debug_info()["running_incoming_calls"] != 1:
+        await asyncio.sleep(0.01)  # until the impatient call's CANCEL has been handled
+    assert Shared.future is not None and not Shared.future.cancelled()
+    Shared.future.set_result("batch done")
+    assert await patient == "batch done"
+
+
+async def test_cancellation_inside_the_callee_is_reported(pair: tuple[RpcAgent, RpcAgent]) -> None:
+    a, _ = pair
+    with pytest.raises(RemoteError, match="cancelled on worker 'b'"):
+        await a.rpc_async("b", cancel_myself)
+
+
+async def test_oversized_call_raises_at_once_and_leaves_nothing_pending() -> None:
+    options = AgentOptions(transports=("unix",), max_frame_size=1024)
+    agent = RpcAgent("solo", 0, SECRET, options)
+    agent.join([await agent.start()])
+    with pytest.raises(LocalProtocolError, match="max_frame_size"):
+        agent.rpc_async("solo", torch.add, args=(torch.zeros(1000), 1))
+    assert agent.debug_info()["pending_outgoing_calls"] == 0
+    await agent.shutdown()
+
+
+async def test_shutdown_with_no_time_limit_waits_for_the_peer(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    a, b = pair
+    first = asyncio.ensure_future(a.shutdown(timeout=0))  # 0: no limit, as in torch
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert not first.done()  # it waits for b, however long
+    await asyncio.gather(first, b.shutdown(timeout=0))
+    assert a.state == b.state == "closed"
