@@ -34,6 +34,7 @@ from typing import Any
 
 from asyncrpc.agent.dispatch import describe, unpack_error
 from asyncrpc.agent.inbound import Inbound
+from asyncrpc.agent.polling import BusyPoller
 from asyncrpc.agent.worker import WorkerAddress, WorkerInfo
 from asyncrpc.errors import (
     AgentStateError,
@@ -64,6 +65,7 @@ class AgentOptions:
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     connect_timeout: float = 30.0
     handshake_timeout: float = 10.0
+    busy_poll: float = 300e-6
     max_running_per_link: int = 4096
 
 
@@ -88,6 +90,7 @@ class RpcAgent:
         self._loop = asyncio.get_running_loop()
         self._context = contextvars.copy_context()
         self._context.run(_current.set, self)
+        self._poller = BusyPoller(options.busy_poll, self._worth_polling)
         self._inbound = Inbound(
             name, self._context, options.num_worker_threads, options.max_running_per_link
         )
@@ -252,6 +255,8 @@ class RpcAgent:
             link.send(Kind.REQUEST, meta, payload, buffers)
         except Exception as exc:  # e.g. no shared memory left: the call fails, visibly
             self._finish(call_id, error=exc)
+            return
+        self._poller.kick()
 
     async def _send_after_dial(
         self,
@@ -384,6 +389,7 @@ class RpcAgent:
             self._inbound.add_link(link)
 
     def frame_received(self, link: Link, frame: Frame) -> None:
+        self._poller.kick()
         kind = frame.kind
         if kind == Kind.REQUEST:
             self._inbound.on_request(link, frame)
@@ -428,6 +434,10 @@ class RpcAgent:
             "dead_peers": sorted(self._dead),
             "shared_memory": self._segments.stats if self._segments else None,
         }
+
+    def _worth_polling(self) -> bool:
+        """Spin while calls are in flight, unless pool threads need the GIL."""
+        return self.state != "closed" and self._inbound.threads_busy == 0
 
     def _check_usable(self) -> None:
         if self.state not in ("running", "draining"):

@@ -69,6 +69,7 @@ class Inbound:
         self._completions: deque[tuple[IncomingCall, bool, Any]] = deque()
         self._lock = threading.Lock()
         self._drain_scheduled = False
+        self.threads_busy = 0  # calls handed to the pool and not yet back on the loop
 
     # -- links ---------------------------------------------------------------------
 
@@ -143,6 +144,7 @@ class Inbound:
         placement = describe(func)[0]
         if placement is Placement.THREAD:
             running[call.call_id] = None
+            self.threads_busy += 1
             self._executor.submit(
                 self._context.copy().run, self._run_in_thread, call, lambda: func(*args, **kwargs)
             )
@@ -183,6 +185,7 @@ class Inbound:
             self._drain_scheduled = False
         while self._completions:
             call, ok, value = self._completions.popleft()
+            self.threads_busy -= 1
             if not self._retire(call):
                 continue
             if ok:

@@ -44,6 +44,8 @@ from asyncrpc.wire import (
 )
 
 log = logging.getLogger("asyncrpc.transport")
+FRAMES_PER_TURN = 32
+FLUSH_PARTS = 64
 Parts = list[bytes | memoryview]
 
 
@@ -81,7 +83,9 @@ class Link(asyncio.BufferedProtocol):
         self._outbox: Parts = []
         self._flush_scheduled = False
         self._paused = False
-        self._reading_paused = False
+        self._reading_paused = False  # the owner's backpressure
+        self._catching_up = False  # staged frames still wait for their turn
+        self._reading = True  # what the transport was last told
         self._released: list[int] = []
         self._handshake_timer = self._loop.call_later(handshake_timeout, self._handshake_expired)
 
@@ -114,16 +118,42 @@ class Link(asyncio.BufferedProtocol):
         self._process_frames()
 
     def _process_frames(self) -> None:
-        """Hand every complete frame up, unless reading is paused (they stay staged)."""
+        """Hand complete frames up, a few per loop turn, unless reading is paused.
+
+        Handing up at most FRAMES_PER_TURN frames, then letting the loop run (tasks,
+        flushes of replies) before coming back, overlaps our work with the peer's:
+        a burst of requests is answered in slices instead of all at the end.
+        """
         try:
-            while not self.closed and not self._reading_paused:
+            for _ in range(FRAMES_PER_TURN):
+                if self.closed or self._reading_paused:
+                    return
                 frame = self._decoder.next_event()
                 if frame is NEED_DATA:
+                    self._set_catching_up(False)
                     return
                 assert isinstance(frame, Frame)
                 self._dispatch(frame)
         except (ProtocolError, HandshakeError) as exc:
             self.abort(exc)
+            return
+        self._set_catching_up(True)
+        self._loop.call_soon(self._process_frames)
+
+    def _set_catching_up(self, catching_up: bool) -> None:
+        """While staged frames wait for their turn, read no more from the socket."""
+        if catching_up != self._catching_up:
+            self._catching_up = catching_up
+            self._apply_reading()
+
+    def _apply_reading(self) -> None:
+        want = not (self._reading_paused or self._catching_up)
+        if self._transport is not None and not self.closed and want != self._reading:
+            self._reading = want
+            if want:
+                self._transport.resume_reading()
+            else:
+                self._transport.pause_reading()
 
     def eof_received(self) -> bool:
         self.abort(self._lost_error("closed the connection"))
@@ -171,16 +201,22 @@ class Link(asyncio.BufferedProtocol):
         self.write(self.encode(kind, meta, payload, buffers))
 
     def write(self, parts: Parts) -> None:
-        """Queue encoded parts; they leave together at the end of this loop iteration."""
+        """Queue encoded parts; they leave together at the end of this loop iteration,
+        or at once when FLUSH_PARTS are waiting."""
         if self.closed:
             return
         self._outbox.extend(parts)
-        if not self._flush_scheduled:
+        if len(self._outbox) >= FLUSH_PARTS:
+            self._flush()
+        elif not self._flush_scheduled:
             self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
+            self._loop.call_soon(self._scheduled_flush)
+
+    def _scheduled_flush(self) -> None:
+        self._flush_scheduled = False
+        self._flush()
 
     def _flush(self) -> None:
-        self._flush_scheduled = False
         if self._paused or self.closed or not self._outbox or self._transport is None:
             return
         parts, self._outbox = self._outbox, []
@@ -206,14 +242,12 @@ class Link(asyncio.BufferedProtocol):
     def pause_reading(self) -> None:
         """Stop handing frames up (already-received ones wait) and stop reading the socket."""
         self._reading_paused = True
-        if self._transport is not None and not self.closed:
-            self._transport.pause_reading()
+        self._apply_reading()
 
     def resume_reading(self) -> None:
         self._reading_paused = False
-        if self._transport is not None and not self.closed:
-            self._transport.resume_reading()
-            self._loop.call_soon(self._process_frames)
+        self._apply_reading()
+        self._loop.call_soon(self._process_frames)
 
     # -- receiving -----------------------------------------------------------------
 
