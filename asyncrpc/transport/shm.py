@@ -120,7 +120,7 @@ class SegmentPool:
             segment = self._take_idle(nbytes)
         if segment is None:
             segment = _create_segment(nbytes)
-        segment.memory[:nbytes] = data
+        _copy_into(segment.memory, data)
         with self._lock:
             self._in_use[segment.fd] = (segment, owner)
         return ExternalRef(segment.fd, nbytes)
@@ -171,6 +171,18 @@ class SegmentPool:
         self._idle.sort(key=lambda s: s.capacity)
         while self._idle and sum(s.capacity for s in self._idle) > self.max_idle_bytes:
             self._idle.pop().close()
+
+
+def _copy_into(destination: memoryview, source: memoryview) -> None:
+    """memcpy through ctypes, which lets go of the GIL for the copy (slice assignment
+    would hold it, stalling the event loop while a pool thread copies megabytes)."""
+    if source.readonly:
+        destination[: len(source)] = source
+        return
+    source_address = ctypes.addressof(ctypes.c_char.from_buffer(source))
+    ctypes.memmove(
+        ctypes.addressof(ctypes.c_char.from_buffer(destination)), source_address, len(source)
+    )
 
 
 def _create_segment(nbytes: int) -> _Segment:
