@@ -2,13 +2,14 @@
 
 from asyncrpc.transport.endpoints import SCHEMES, dial, listen
 from asyncrpc.transport.link import Link, LinkHandler
-from asyncrpc.transport.shm import SHM_THRESHOLD, SegmentPool, host_identity
+from asyncrpc.transport.shm import SHM_THRESHOLD, SegmentMapper, SegmentPool, host_identity
 
 __all__ = (
     "SCHEMES",
     "SHM_THRESHOLD",
     "Link",
     "LinkHandler",
+    "SegmentMapper",
     "SegmentPool",
     "dial",
     "host_identity",

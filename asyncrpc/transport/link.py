@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
 from asyncrpc.errors import HandshakeError, PeerLostError, ProtocolError, RemoteProtocolError
-from asyncrpc.transport.shm import SHM_THRESHOLD, SegmentPool, map_segment
+from asyncrpc.transport.shm import SHM_THRESHOLD, SegmentMapper, SegmentPool
 from asyncrpc.wire import (
     HANDSHAKE_KINDS,
     NEED_DATA,
@@ -79,6 +79,7 @@ class Link(asyncio.BufferedProtocol):
         self._decoder = FrameDecoder(max_frame_size=max_frame_size, allocate=allocate)
         self._segments = segments
         self._share_memory = False
+        self._mapper = SegmentMapper(0)  # the peer's pid is known after the handshake
         self._transport: asyncio.Transport | None = None
         self._outbox: Parts = []
         self._flush_scheduled = False
@@ -269,6 +270,7 @@ class Link(asyncio.BufferedProtocol):
         if self.handshake.established:
             self._handshake_timer.cancel()
             self._share_memory = self.peer.host == self.handshake.local.host
+            self._mapper = SegmentMapper(self.peer.pid)
             self.handler.link_established(self)
             if not self.ready.done():
                 self.ready.set_result(self)
@@ -278,7 +280,7 @@ class Link(asyncio.BufferedProtocol):
             if isinstance(buf, ExternalRef):
                 if not self._share_memory:
                     raise RemoteProtocolError("shared-memory buffer from a peer on another host")
-                frame.buffers[i] = map_segment(self.peer.pid, buf, self.segment_released)
+                frame.buffers[i] = self._mapper.view(buf, self.segment_released)
 
     # -- closing -------------------------------------------------------------------
 
@@ -306,6 +308,7 @@ class Link(asyncio.BufferedProtocol):
         self._outbox = []
         if self._segments is not None:
             self._segments.forget(self)
+        self._mapper.clear()
         if not self.ready.done():
             self.ready.set_exception(exc)
             self.ready.exception()  # retrieved: the dialer may have stopped waiting

@@ -6,13 +6,16 @@ Through a socket a buffer is copied twice (into the kernel, out of it) and the
 receiver faults in fresh pages.  Between processes of one host we do better:
 
 * The sender copies the bytes once into a *segment* (a ``memfd`` it maps) and
-  sends only ``ExternalRef(key=fd, nbytes)`` in the frame.
-* The receiver opens ``/proc/<sender pid>/fd/<fd>`` (the kernel lets only the
-  same user do so), maps it, closes the descriptor, and the mapping itself
-  becomes the tensor's storage: no second copy.
-* When that tensor dies, the mapping is unmapped and the receiver tells the
-  sender (a RELEASE message) that the segment is free; the sender reuses it.
-  Reused segments are already faulted in, so a warm transfer costs one memcpy.
+  sends only ``ExternalRef(key, nbytes)`` in the frame.  A key is the segment's
+  serial number (never reused by that process) and its descriptor number.
+* The receiver opens ``/proc/<sender pid>/fd/<fd>`` the first time it sees a
+  key (the kernel lets only the same user do so), maps the whole segment once,
+  and keeps that mapping in a :class:`SegmentMapper` cache.  Each transfer is
+  a *view* of the cached mapping that becomes the tensor's storage: no second
+  copy, and no system call at all for a segment seen before.
+* When the last tensor on a view dies, its lease tells the sender (a RELEASE
+  message) that the segment is free; the sender reuses it.  Reused segments
+  are faulted in on both sides, so a warm transfer costs one memcpy.
 
 A segment is reused only after its receiver released it, so the receiver never
 sees its tensor change.  When a link is lost its in-use segments are closed on
@@ -23,9 +26,11 @@ Idle segments beyond ``max_idle_bytes`` are closed, largest first.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import mmap
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
@@ -61,47 +66,56 @@ _libc.mmap.argtypes = [
 ]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_FD_BITS = 32
 
 
 class _Mapping:
-    """Owns one ``mmap`` made through libc, so that it holds no file descriptor (Python's
-    ``mmap.mmap`` keeps a duplicate open for the mapping's whole life).  Unmapped when
-    collected, and ``on_unmap`` runs then."""
+    """One ``mmap`` made through libc, so that it holds no file descriptor (Python's
+    ``mmap.mmap`` keeps a duplicate open for the mapping's whole life).  Unmapped
+    when the last reference goes."""
 
-    def __init__(self, address: int, nbytes: int, on_unmap: Callable[[], None] | None) -> None:
-        self.address, self.nbytes, self._on_unmap = address, nbytes, on_unmap
+    def __init__(self, fd: int, nbytes: int) -> None:
+        flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
+        address = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+        if address in (None, _MAP_FAILED):
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"mmap of {nbytes} bytes failed: {os.strerror(errno)}")
+        self.address: int = address
+        self.nbytes = nbytes
+
+    def view(self, nbytes: int, lease: object = None) -> memoryview:
+        """A byte view of the first ``nbytes``; it keeps this mapping (and ``lease``) alive.
+
+        Ownership runs one way only (view -> ctypes array -> mapping, lease), so both
+        are dropped the moment the last view, or tensor built on one, dies.
+        """
+        array = (ctypes.c_char * nbytes).from_address(self.address)
+        array._owners = (self, lease)  # type: ignore[attr-defined]
+        return memoryview(array).cast("B")
 
     def __del__(self) -> None:
         _libc.munmap(self.address, self.nbytes)
-        if self._on_unmap is not None:
-            self._on_unmap()
 
 
-def _map(fd: int, nbytes: int, on_unmap: Callable[[], None] | None = None) -> memoryview:
-    """Map ``nbytes`` of ``fd`` shared and pre-faulted; the returned view owns the mapping.
+class _Lease:
+    """Held by the views of one transfer; when they are all gone, the segment is free."""
 
-    Ownership runs one way only (view -> ctypes array -> _Mapping), so the mapping is
-    freed the moment the last view or tensor on it dies, without waiting for the GC.
-    """
-    flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
-    address = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
-    if address in (None, _MAP_FAILED):
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"mmap of {nbytes} bytes failed: {os.strerror(errno)}")
-    array = (ctypes.c_char * nbytes).from_address(address)
-    array._mapping = _Mapping(address, nbytes, on_unmap)  # type: ignore[attr-defined]
-    return memoryview(array).cast("B")
+    def __init__(self, on_release: Callable[[], None]) -> None:
+        self._on_release = on_release
+
+    def __del__(self) -> None:
+        self._on_release()
 
 
 @dataclass(slots=True)
 class _Segment:
+    key: int
     fd: int
     capacity: int
-    memory: memoryview
+    mapping: _Mapping
 
     def close(self) -> None:
-        self.memory.release()
-        os.close(self.fd)
+        os.close(self.fd)  # the mapping goes with the last reference to it
 
 
 class SegmentPool:
@@ -112,6 +126,7 @@ class SegmentPool:
         self._lock = threading.Lock()
         self._idle: list[_Segment] = []
         self._in_use: dict[int, tuple[_Segment, object]] = {}
+        self._serials = itertools.count(1)
 
     def put(self, data: memoryview, owner: object) -> ExternalRef:
         """Copy ``data`` into a segment lent to ``owner`` (a link); returns its reference."""
@@ -119,14 +134,14 @@ class SegmentPool:
         with self._lock:
             segment = self._take_idle(nbytes)
         if segment is None:
-            segment = _create_segment(nbytes)
-        _copy_into(segment.memory, data)
+            segment = _create_segment(nbytes, next(self._serials))
+        _copy_into(segment.mapping, data)
         with self._lock:
-            self._in_use[segment.fd] = (segment, owner)
-        return ExternalRef(segment.fd, nbytes)
+            self._in_use[segment.key] = (segment, owner)
+        return ExternalRef(segment.key, nbytes)
 
     def release(self, keys: list[int], owner: object) -> None:
-        """The receiver on ``owner`` unmapped these segments: they may be reused."""
+        """The receiver on ``owner`` is done with these segments: they may be reused."""
         with self._lock:
             for key in keys:
                 entry = self._in_use.get(key)
@@ -173,45 +188,74 @@ class SegmentPool:
             self._idle.pop().close()
 
 
-def _copy_into(destination: memoryview, source: memoryview) -> None:
+def _copy_into(destination: _Mapping, source: memoryview) -> None:
     """memcpy through ctypes, which lets go of the GIL for the copy (slice assignment
     would hold it, stalling the event loop while a pool thread copies megabytes)."""
     if source.readonly:
-        destination[: len(source)] = source
+        destination.view(len(source))[:] = source
         return
     source_address = ctypes.addressof(ctypes.c_char.from_buffer(source))
-    ctypes.memmove(
-        ctypes.addressof(ctypes.c_char.from_buffer(destination)), source_address, len(source)
-    )
+    ctypes.memmove(destination.address, source_address, len(source))
 
 
-def _create_segment(nbytes: int) -> _Segment:
+def _create_segment(nbytes: int, serial: int) -> _Segment:
     capacity = -(-nbytes // _ALIGN) * _ALIGN
     fd = os.memfd_create("asyncrpc-segment", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, capacity)
-        memory = _map(fd, capacity)
+        mapping = _Mapping(fd, capacity)
     except BaseException:
         os.close(fd)
         raise
-    return _Segment(fd, capacity, memory)
+    return _Segment(serial << _FD_BITS | fd, fd, capacity, mapping)
 
 
-def map_segment(pid: int, ref: ExternalRef, on_release: Callable[[int], None]) -> memoryview:
-    """The receiver's side: map the sender's segment as a writable byte view.
+class SegmentMapper:
+    """The receiver's side: maps a peer's segments once and hands out views of them.
 
-    The view (and whatever is built on it, e.g. a tensor) keeps the mapping alive;
-    ``on_release(key)`` runs once the last of them is gone and it is unmapped."""
-    path = f"/proc/{pid}/fd/{ref.key}"
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError as exc:
-        raise RemoteProtocolError(f"cannot open shared-memory segment {path}: {exc}") from exc
-    try:
-        if not os.readlink(path).startswith("/memfd:asyncrpc-segment"):
-            raise RemoteProtocolError(f"{path} is not an asyncrpc segment")
-        if not 0 < ref.nbytes <= os.fstat(fd).st_size:
-            raise RemoteProtocolError(f"segment {path} does not hold {ref.nbytes} bytes")
-        return _map(fd, ref.nbytes, lambda: on_release(ref.key))
-    finally:
-        os.close(fd)
+    Up to ``max_cached_bytes`` of mappings stay cached, least recently used first
+    out; a mapping evicted while a tensor still uses it lives on until that dies.
+    """
+
+    def __init__(self, pid: int, max_cached_bytes: int = 2 << 30) -> None:
+        self.pid = pid
+        self.max_cached_bytes = max_cached_bytes
+        self._cache: OrderedDict[int, _Mapping] = OrderedDict()
+
+    def view(self, ref: ExternalRef, on_release: Callable[[int], None]) -> memoryview:
+        """Bytes of ``ref``, as storage for a tensor; ``on_release(key)`` runs once
+        nothing uses them any more."""
+        mapping = self._cache.get(ref.key)
+        if mapping is None:
+            mapping = self._cache[ref.key] = self._map(ref)
+            self._evict()
+        else:
+            self._cache.move_to_end(ref.key)
+        if not 0 < ref.nbytes <= mapping.nbytes:
+            raise RemoteProtocolError(f"segment reference of {ref.nbytes} bytes is out of range")
+        return mapping.view(ref.nbytes, _Lease(lambda: on_release(ref.key)))
+
+    def clear(self) -> None:
+        self._cache.clear()
+
+    def _map(self, ref: ExternalRef) -> _Mapping:
+        path = f"/proc/{self.pid}/fd/{ref.key & ((1 << _FD_BITS) - 1)}"
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise RemoteProtocolError(f"cannot open shared-memory segment {path}: {exc}") from exc
+        try:
+            if not os.readlink(path).startswith("/memfd:asyncrpc-segment"):
+                raise RemoteProtocolError(f"{path} is not an asyncrpc segment")
+            size = os.fstat(fd).st_size
+            if not 0 < ref.nbytes <= size:
+                raise RemoteProtocolError(f"segment {path} does not hold {ref.nbytes} bytes")
+            return _Mapping(fd, size)
+        finally:
+            os.close(fd)
+
+    def _evict(self) -> None:
+        while len(self._cache) > 1 and (
+            sum(m.nbytes for m in self._cache.values()) > self.max_cached_bytes
+        ):
+            self._cache.popitem(last=False)

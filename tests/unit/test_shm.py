@@ -1,4 +1,4 @@
-"""Unit tests for the same-host shared-memory path (SegmentPool, map_segment).
+"""Unit tests for the same-host shared-memory path (SegmentPool, SegmentMapper).
 
 Sender and receiver are both this process: /proc/<our pid>/fd/<fd> names our own
 segment, which is exactly what a receiver on the same host opens.
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 if sys.platform.startswith("linux"):
-    from asyncrpc.transport.shm import SegmentPool, host_identity, map_segment
+    from asyncrpc.transport.shm import SegmentMapper, SegmentPool, host_identity
 
 MiB = 1 << 20
 
@@ -62,7 +62,7 @@ def test_put_copies_the_data(pool: SegmentPool) -> None:
     assert ref.nbytes == len(source)
     expected = bytes(source)
     source[:] = bytes(len(source))  # the segment holds a copy, not a view of the source
-    memory = map_segment(os.getpid(), ref, Releases())
+    memory = SegmentMapper(os.getpid()).view(ref, Releases())
     assert len(memory) == ref.nbytes
     assert memory[:] == expected
     assert pool.stats == {"segments_in_use": 1, "segments_idle": 0, "idle_bytes": 0}
@@ -70,13 +70,13 @@ def test_put_copies_the_data(pool: SegmentPool) -> None:
 
 def test_segment_fd_is_a_named_memfd(pool: SegmentPool) -> None:
     ref = pool.put(memoryview(data(100)), owner="link")
-    assert os.readlink(f"/proc/self/fd/{ref.key}").startswith("/memfd:asyncrpc-segment")
+    assert os.readlink(f"/proc/self/fd/{fd_of(ref)}").startswith("/memfd:asyncrpc-segment")
 
 
 def test_mapping_is_shared_with_the_sender(pool: SegmentPool) -> None:
     ref = pool.put(memoryview(data(MiB, 2)), owner="link")
-    first = map_segment(os.getpid(), ref, Releases())
-    second = map_segment(os.getpid(), ref, Releases())
+    first = SegmentMapper(os.getpid()).view(ref, Releases())
+    second = SegmentMapper(os.getpid()).view(ref, Releases())
     first[:4] = b"\xde\xad\xbe\xef"
     assert second[:4] == b"\xde\xad\xbe\xef"  # MAP_SHARED: one set of pages
 
@@ -85,7 +85,7 @@ def test_map_segment_does_not_leak_descriptors(pool: SegmentPool) -> None:
     """The module promises: open, map, close the descriptor; the mapping holds no fd."""
     ref = pool.put(memoryview(data(MiB, 3)), owner="link")
     before = open_fds()
-    memory = map_segment(os.getpid(), ref, Releases())
+    memory = SegmentMapper(os.getpid()).view(ref, Releases())
     assert open_fds() == before
     del memory
 
@@ -93,7 +93,7 @@ def test_map_segment_does_not_leak_descriptors(pool: SegmentPool) -> None:
 def test_dropping_the_mapping_calls_on_release_with_the_key(pool: SegmentPool) -> None:
     ref = pool.put(memoryview(data(MiB, 4)), owner="link")
     released = Releases()
-    memory = map_segment(os.getpid(), ref, released)
+    memory = SegmentMapper(os.getpid()).view(ref, released)
     assert released.keys == []
     del memory
     gc.collect()
@@ -105,7 +105,7 @@ def test_tensor_over_the_mapping_keeps_it_alive(pool: SegmentPool) -> None:
     payload = data(2 * MiB, 5)
     ref = pool.put(memoryview(payload), owner="link")
     released = Releases()
-    memory = map_segment(os.getpid(), ref, released)
+    memory = SegmentMapper(os.getpid()).view(ref, released)
     tensor = torch.frombuffer(memory, dtype=torch.uint8)
     del memory
     gc.collect()
@@ -128,7 +128,7 @@ def test_release_makes_the_segment_reusable(pool: SegmentPool) -> None:
     assert second.key == first.key  # the same fd: reused, not created
     assert second.nbytes == len(payload)
     assert pool.stats == {"segments_in_use": 1, "segments_idle": 0, "idle_bytes": 0}
-    memory = map_segment(os.getpid(), second, Releases())
+    memory = SegmentMapper(os.getpid()).view(second, Releases())
     assert memory[:] == payload
 
 
@@ -147,7 +147,7 @@ def test_unreleased_segment_is_not_reused(pool: SegmentPool) -> None:
     assert first.key != second.key
     assert pool.stats["segments_in_use"] == 2
     # The first receiver still sees its own bytes.
-    assert map_segment(os.getpid(), first, Releases())[:] == data(MiB, 10)
+    assert SegmentMapper(os.getpid()).view(first, Releases())[:] == data(MiB, 10)
 
 
 def test_much_smaller_buffer_does_not_take_a_huge_idle_segment(pool: SegmentPool) -> None:
@@ -176,17 +176,17 @@ def test_double_release_is_harmless(pool: SegmentPool) -> None:
 
 def test_forget_closes_the_owners_in_use_segments(pool: SegmentPool) -> None:
     mine = pool.put(memoryview(data(MiB, 16)), owner="lost")
-    mapped = map_segment(os.getpid(), mine, Releases())
+    mapped = SegmentMapper(os.getpid()).view(mine, Releases())
     other = pool.put(memoryview(data(MiB, 17)), owner="alive")
     pool.forget("lost")
     assert pool.stats == {"segments_in_use": 1, "segments_idle": 0, "idle_bytes": 0}
     with pytest.raises(OSError):
-        os.fstat(mine.key)  # closed on the sender's side
+        os.fstat(fd_of(mine))  # closed on the sender's side
     assert mapped[:] == data(MiB, 16)  # a living receiver keeps its mapping
     # Its late release changes nothing, and the other owner's segment is untouched.
     pool.release([mine.key], owner="lost")
     assert pool.stats["segments_idle"] == 0
-    assert map_segment(os.getpid(), other, Releases())[:] == data(MiB, 17)
+    assert SegmentMapper(os.getpid()).view(other, Releases())[:] == data(MiB, 17)
 
 
 def test_trim_closes_idle_segments_beyond_the_limit() -> None:
@@ -211,7 +211,29 @@ def test_close_closes_every_segment() -> None:
     assert pool.stats == {"segments_in_use": 0, "segments_idle": 0, "idle_bytes": 0}
     for key in (idle.key, busy.key):
         with pytest.raises(OSError):
-            os.fstat(key)
+            os.fstat(fd_of_key(key))
+
+
+def fd_of_key(key: int) -> int:
+    """A segment key carries the sender's descriptor in its low 32 bits."""
+    return key & 0xFFFFFFFF
+
+
+def fd_of(ref: ExternalRef) -> int:
+    return fd_of_key(ref.key)
+
+
+def test_a_cached_mapping_serves_later_transfers_of_the_segment(pool: SegmentPool) -> None:
+    mapper = SegmentMapper(os.getpid())
+    first = pool.put(memoryview(data(MiB, 30)), owner="link")
+    released = Releases()
+    view = mapper.view(first, released)
+    del view
+    assert released.keys == [first.key]
+    pool.release(released.keys, owner="link")
+    second = pool.put(memoryview(data(MiB, 31)), owner="link")
+    assert second.key == first.key
+    assert mapper.view(second, Releases())[:] == data(MiB, 31)  # same mapping, new bytes
 
 
 def test_map_segment_rejects_a_regular_file() -> None:
@@ -220,7 +242,7 @@ def test_map_segment_rejects_a_regular_file() -> None:
         f.flush()
         ref = ExternalRef(f.fileno(), 4096)
         with pytest.raises(RemoteProtocolError, match="not an asyncrpc segment"):
-            map_segment(os.getpid(), ref, Releases())
+            SegmentMapper(os.getpid()).view(ref, Releases())
 
 
 def test_map_segment_rejects_a_foreign_memfd() -> None:
@@ -228,7 +250,7 @@ def test_map_segment_rejects_a_foreign_memfd() -> None:
     try:
         os.ftruncate(fd, 4096)
         with pytest.raises(RemoteProtocolError, match="not an asyncrpc segment"):
-            map_segment(os.getpid(), ExternalRef(fd, 4096), Releases())
+            SegmentMapper(os.getpid()).view(ExternalRef(fd, 4096), Releases())
     finally:
         os.close(fd)
 
@@ -237,7 +259,7 @@ def test_map_segment_rejects_a_pipe() -> None:
     r, w = os.pipe()
     try:
         with pytest.raises(RemoteProtocolError):
-            map_segment(os.getpid(), ExternalRef(r, 10), Releases())
+            SegmentMapper(os.getpid()).view(ExternalRef(r, 10), Releases())
     finally:
         os.close(r)
         os.close(w)
@@ -248,15 +270,15 @@ def test_map_segment_rejects_a_closed_descriptor() -> None:
     os.close(r)
     os.close(w)
     with pytest.raises(RemoteProtocolError, match="cannot open"):
-        map_segment(os.getpid(), ExternalRef(r, 10), Releases())
+        SegmentMapper(os.getpid()).view(ExternalRef(r, 10), Releases())
 
 
 def test_map_segment_rejects_a_ref_larger_than_the_segment(pool: SegmentPool) -> None:
     ref = pool.put(memoryview(data(MiB, 20)), owner="link")
-    size = os.fstat(ref.key).st_size
+    size = os.fstat(fd_of(ref)).st_size
     released = Releases()
     with pytest.raises(RemoteProtocolError, match="does not hold"):
-        map_segment(os.getpid(), ExternalRef(ref.key, size + 1), released)
+        SegmentMapper(os.getpid()).view(ExternalRef(ref.key, size + 1), released)
     gc.collect()
     assert released.keys == []  # nothing was mapped, so nothing is released
 
@@ -265,13 +287,13 @@ def test_map_segment_rejects_a_ref_larger_than_the_segment(pool: SegmentPool) ->
 def test_map_segment_rejects_empty_or_negative_refs(pool: SegmentPool, nbytes: int) -> None:
     ref = pool.put(memoryview(data(MiB, 21)), owner="link")
     with pytest.raises(RemoteProtocolError, match="does not hold"):
-        map_segment(os.getpid(), ExternalRef(ref.key, nbytes), Releases())
+        SegmentMapper(os.getpid()).view(ExternalRef(ref.key, nbytes), Releases())
 
 
 def test_map_segment_of_a_missing_process() -> None:
     # pid_max is at most 2**22 on Linux, so this pid cannot exist.
     with pytest.raises(RemoteProtocolError, match="cannot open"):
-        map_segment(2**22 + 17, ExternalRef(3, 10), Releases())
+        SegmentMapper(2**22 + 17).view(ExternalRef(3, 10), Releases())
 
 
 def test_host_identity_is_stable_in_a_process() -> None:
