@@ -78,6 +78,16 @@ class PendingCall:
     timer: asyncio.TimerHandle | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class OutgoingRequest:
+    """A serialised request, held only until it is written (or its dial fails)."""
+
+    call_id: int
+    meta: dict[str, Any]
+    payload: bytes
+    buffers: list[memoryview]
+
+
 class RpcAgent:
     """One worker's agent.  Create, ``await start()``, ``join(workers)``, use, ``shutdown``."""
 
@@ -235,44 +245,30 @@ class RpcAgent:
             call.timer = self._loop.call_later(call.timeout, self._expire, call_id)
         self._pending[call_id] = call
         self._idle.clear()
-        meta = {"i": call_id, "f": name}
+        request = OutgoingRequest(call_id, {"i": call_id, "f": name}, payload, buffers)
         link = self._links.get(peer)
         if link is not None:
-            self._send_request(link, call_id, meta, payload, buffers)
+            self._send_request(link, request)
         else:
-            self._spawn(self._send_after_dial(peer, call_id, meta, payload, buffers))
+            self._spawn(self._send_after_dial(peer, request))
         return call.future
 
-    def _send_request(
-        self,
-        link: Link,
-        call_id: int,
-        meta: dict[str, Any],
-        payload: bytes,
-        buffers: list[memoryview],
-    ) -> None:
+    def _send_request(self, link: Link, request: OutgoingRequest) -> None:
         try:
-            link.send(Kind.REQUEST, meta, payload, buffers)
+            link.send(Kind.REQUEST, request.meta, request.payload, request.buffers)
         except Exception as exc:  # e.g. no shared memory left: the call fails, visibly
-            self._finish(call_id, error=exc)
+            self._finish(request.call_id, error=exc)
             return
         self._poller.kick()
 
-    async def _send_after_dial(
-        self,
-        peer: str,
-        call_id: int,
-        meta: dict[str, Any],
-        payload: bytes,
-        buffers: list[memoryview],
-    ) -> None:
+    async def _send_after_dial(self, peer: str, request: OutgoingRequest) -> None:
         try:
             link = await self._connect(peer)
         except Exception as exc:
-            self._finish(call_id, error=exc)
+            self._finish(request.call_id, error=exc)
             return
-        if call_id in self._pending:
-            self._send_request(link, call_id, meta, payload, buffers)
+        if request.call_id in self._pending:
+            self._send_request(link, request)
 
     async def _connect(self, peer: str) -> Link:
         link = self._links.get(peer)
