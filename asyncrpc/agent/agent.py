@@ -178,13 +178,13 @@ class RpcAgent:
             await self._barrier_changed.wait()
 
     async def _announce_shutdown(self, name: str) -> None:
-        if name in self._dead:
-            return
+        """Tell ``name`` we are done; a peer that cannot be dialled is dead."""
         try:
             link = await self._connect(name)
         except (PeerLostError, TimeoutError):
             self._mark_dead(name)
             return
+        self._dead.discard(name)  # a lost link earlier, but it is alive: wait for it
         link.send(Kind.SHUTDOWN, {"rank": self.info.id})
 
     async def _close(self) -> None:
@@ -344,8 +344,10 @@ class RpcAgent:
 
     def _on_reply(self, link: Link, frame: Frame) -> None:
         call_id = frame.meta.get("i")
-        call = self._pending.get(call_id) if type(call_id) is int else None
-        if call is None or call.peer != link.peer.name or type(call_id) is not int:
+        if type(call_id) is not int:
+            return
+        call = self._pending.get(call_id)
+        if call is None or call.peer != link.peer.name:
             return  # a late reply to a call that already timed out
         try:
             if frame.kind == Kind.RESPONSE:
@@ -361,8 +363,6 @@ class RpcAgent:
                     function=call.function,
                 ),
             )
-
-    # -- incoming calls ------------------------------------------------------------
 
     # -- link events ---------------------------------------------------------------
 
