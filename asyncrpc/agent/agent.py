@@ -50,6 +50,7 @@ from asyncrpc.transport import Link, SegmentPool, dial, host_identity, listen
 from asyncrpc.wire import DEFAULT_MAX_FRAME_SIZE, Frame, Handshake, Identity, Kind, Role
 
 log = logging.getLogger("asyncrpc.agent")
+DEFAULT_BUSY_POLL = 300e-6  # seconds; see asyncrpc.agent.polling
 _current: contextvars.ContextVar[RpcAgent] = contextvars.ContextVar("asyncrpc_agent")
 
 
@@ -65,7 +66,7 @@ class AgentOptions:
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     connect_timeout: float = 30.0
     handshake_timeout: float = 10.0
-    busy_poll: float = 300e-6
+    busy_poll: float = DEFAULT_BUSY_POLL
     max_running_per_link: int = 4096
 
 

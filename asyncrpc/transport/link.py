@@ -138,6 +138,10 @@ class Link(asyncio.BufferedProtocol):
         except (ProtocolError, HandshakeError) as exc:
             self.abort(exc)
             return
+        except Exception as exc:  # a bug of ours: say so, then fail this link's calls
+            log.exception("internal error handling a frame on %r; dropping the link", self)
+            self.abort(exc)
+            return
         self._set_catching_up(True)
         self._loop.call_soon(self._process_frames)
 
