@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,15 +52,47 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
+class _Reusable:
+    """One pickler and stream per thread (building them costs more than pickling a small
+    call).  Everything is reset *after* each dump: a pickler's memo holds strong
+    references to what it pickled, which must not outlive the call.  No reference
+    cycle either (the callback is the list's own ``append``), so nothing here waits for
+    the cyclic GC.  ``busy`` guards against re-entry (a reducer that serialises)."""
+
+    def __init__(self) -> None:
+        self.stream = io.BytesIO()
+        self.buffers: list[pickle.PickleBuffer] = []
+        self.pickler = _Pickler(self.stream, protocol=5, buffer_callback=self.buffers.append)
+        self.busy = False
+
+    def dump(self, value: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
+        self.busy = True
+        try:
+            self.pickler.dump(value)
+            return self.stream.getvalue(), list(self.buffers)
+        finally:
+            self.pickler.clear_memo()
+            self.buffers.clear()
+            self.stream.seek(0)
+            self.stream.truncate()
+            self.busy = False
+
+
+_local = threading.local()
+
+
 def dumps(value: Any) -> tuple[bytes, list[memoryview]]:
     """Serialise ``value``; returns the pickle payload and the out-of-band buffers."""
-    buffers: list[pickle.PickleBuffer] = []
-    stream = io.BytesIO()
+    reusable: _Reusable | None = getattr(_local, "pickler", None)
+    if reusable is None:
+        reusable = _local.pickler = _Reusable()
+    if reusable.busy:
+        reusable = _Reusable()
     try:
-        _Pickler(stream, protocol=5, buffer_callback=buffers.append).dump(value)
+        payload, buffers = reusable.dump(value)
     except Exception as exc:
         raise SerializationError(f"cannot serialize {_describe(value)}: {exc}") from exc
-    return stream.getvalue(), [b.raw() for b in buffers]
+    return payload, [b.raw() for b in buffers]
 
 
 def loads(payload: bytes | bytearray, buffers: Sequence[Any] = ()) -> Any:

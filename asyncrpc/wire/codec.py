@@ -213,6 +213,10 @@ class FrameDecoder:
     # -- parsing -------------------------------------------------------------------
 
     def _advance(self) -> Frame | _NeedData:
+        if self._partial is None and self._direct is None:
+            frame = self._small_frame()
+            if frame is not None:
+                return frame
         self._drain_direct()
         if self._direct is not None:
             return NEED_DATA
@@ -223,6 +227,39 @@ class FrameDecoder:
             return NEED_DATA
         frame, self._partial = self._partial.frame, None
         return frame
+
+    def _small_frame(self) -> Frame | None:
+        """Fast path for the common case: a whole small frame without buffers is staged.
+
+        Anything else (incomplete, buffers, large, or invalid) returns None and takes
+        the general path, which also produces every error.
+        """
+        start, end = self._start, self._end
+        if end - start < PRELUDE.size:
+            return None
+        magic, flags, header_len = PRELUDE.unpack_from(self._staging, start)
+        header_end = start + PRELUDE.size + header_len
+        if magic != MAGIC or flags or header_len > MAX_HEADER_SIZE or header_end > end:
+            return None
+        try:
+            header = msgpack.unpackb(self._view[start + PRELUDE.size : header_end])
+        except Exception:
+            return None
+        if type(header) is not list or len(header) != 4:
+            return None
+        kind, meta, size, descriptors = header
+        if (
+            descriptors
+            or type(size) is not int
+            or not 0 <= size <= min(SMALL_PAYLOAD, self.max_frame_size)
+            or header_end + size > end
+            or type(meta) is not dict
+            or type(kind) is not int
+            or kind not in KNOWN_KINDS
+        ):
+            return None
+        self._start = header_end + size
+        return Frame(kind, meta, bytes(self._view[header_end : self._start]), [])
 
     def _drain_direct(self) -> None:
         if self._direct is not None and self._direct_filled == len(self._direct):

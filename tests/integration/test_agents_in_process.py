@@ -207,3 +207,23 @@ async def test_shutdown_with_no_time_limit_waits_for_the_peer(
     assert not first.done()  # it waits for b, however long
     await asyncio.gather(first, b.shutdown(timeout=0))
     assert a.state == b.state == "closed"
+
+
+async def test_an_internal_error_fails_the_link_with_its_cause_and_is_logged(
+    pair: tuple[RpcAgent, RpcAgent],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    a, b = pair
+    assert await a.rpc_async("b", torch.add, args=(1, 1)) == 2  # connected
+
+    def broken(link: object, frame: object) -> None:
+        raise RuntimeError("simulated bug in request handling")
+
+    monkeypatch.setattr(b._inbound, "on_request", broken)
+    with pytest.raises(PeerLostError, match="'b'"):
+        await asyncio.wait_for(a.rpc_async("b", torch.add, args=(1, 1)), 5)
+    assert "internal error handling a frame" in caplog.text
+    assert "simulated bug" in caplog.text
+    monkeypatch.undo()
+    assert await a.rpc_async("b", torch.add, args=(2, 2)) == 4  # a new link serves again

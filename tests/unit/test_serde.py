@@ -409,3 +409,29 @@ def test_non_strided_tensor_falls_back_to_torch_pickling() -> None:
     got = round_trip(sparse)
     assert got.layout is torch.sparse_coo
     assert torch.equal(got.to_dense(), sparse.to_dense())
+
+
+def test_dumps_keeps_no_reference_to_what_it_serialised() -> None:
+    """The per-thread pickler is reused; its memo must not pin the last value."""
+    import weakref
+
+    tensor = torch.ones(1000)
+    alive = weakref.ref(tensor)
+    payload, buffers = dumps({"x": tensor, "again": [tensor]})
+    del tensor, payload, buffers
+    assert alive() is None  # freed by reference counting, no GC pass needed
+
+
+def test_dumps_is_reentrant() -> None:
+    """A reducer that serialises something itself gets its own pickler."""
+
+    class Nested:
+        def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+            inner, _ = dumps(("inner", torch.zeros(2)))
+            return (bytes, (inner,))
+
+    payload, _ = dumps(["outer", Nested()])
+    outer = loads(payload, [])
+    assert (
+        outer[0] == "outer" and loads(outer[1], [torch.zeros(8, dtype=torch.uint8)])[0] == "inner"
+    )
