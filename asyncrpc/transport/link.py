@@ -206,9 +206,15 @@ class Link(asyncio.BufferedProtocol):
         self.write(self.encode(kind, meta, payload, buffers))
 
     def write(self, parts: Parts) -> None:
-        """Queue encoded parts; they leave together at the end of this loop iteration,
-        or at once when FLUSH_PARTS are waiting."""
+        """Send encoded parts: the first message of a loop turn leaves at once (no
+        added latency); later ones in the same turn leave together at its end, or
+        as soon as FLUSH_PARTS are waiting (bursts become few system calls)."""
         if self.closed:
+            return
+        if not (self._flush_scheduled or self._outbox or self._paused) and self._transport:
+            self._transport.writelines(parts)
+            self._flush_scheduled = True  # marks "wrote this turn": the rest coalesce
+            self._loop.call_soon(self._scheduled_flush)
             return
         self._outbox.extend(parts)
         if len(self._outbox) >= FLUSH_PARTS:
