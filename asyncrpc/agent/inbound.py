@@ -28,13 +28,13 @@ import contextvars
 import threading
 from collections import deque
 from collections.abc import Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from asyncrpc.agent.dispatch import Placement, describe, pack_error
+from asyncrpc.agent.pool import WorkerPool
 from asyncrpc.errors import RemoteError, RemoteProtocolError, SerializationError
 from asyncrpc.serde import dumps, loads
 from asyncrpc.transport import Link
@@ -64,7 +64,7 @@ class Inbound:
         self.max_running = max_running
         self._context = context
         self._loop = asyncio.get_running_loop()
-        self._executor = ThreadPoolExecutor(threads, f"asyncrpc-{worker}")
+        self._pool = WorkerPool(threads, f"asyncrpc-{worker}")
         self._links: dict[Link, _LinkCalls] = {}
         self._completions: deque[tuple[IncomingCall, bool, Any]] = deque()
         self._lock = threading.Lock()
@@ -96,7 +96,7 @@ class Inbound:
         for link in list(self._links):
             self.drop_link(link)
             link.close()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
     # -- frames --------------------------------------------------------------------
 
@@ -145,7 +145,7 @@ class Inbound:
         if placement is Placement.THREAD:
             running[call.call_id] = None
             self.threads_busy += 1
-            self._executor.submit(
+            self._pool.submit(
                 self._context.copy().run, self._run_in_thread, call, lambda: func(*args, **kwargs)
             )
             return
