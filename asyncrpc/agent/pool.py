@@ -73,14 +73,14 @@ class WorkerPool:
         thread.start()
 
     def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is _STOP:
-                return
-            function, args = job
-            try:
-                function(*args)
-            except BaseException:  # a job's own errors are its business; keep serving
-                log.exception("job %r failed on thread pool %s", function, self.name)
+        while (job := self._jobs.get()) is not _STOP:
+            self._run(*job)
+            del job  # a finished job's arguments must not live on until the next job
             with self._lock:
                 self._idle += 1
+
+    def _run(self, function: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            function(*args)
+        except BaseException:  # a job's own errors are its business; keep serving
+            log.exception("job %r failed on thread pool %s", function, self.name)

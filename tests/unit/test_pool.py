@@ -64,3 +64,22 @@ def test_shutdown_stops_threads_and_refuses_new_jobs() -> None:
         assert not thread.is_alive()
     with pytest.raises(RuntimeError, match="shut down"):
         pool.submit(ran.set)
+
+
+def test_a_finished_job_keeps_nothing_alive() -> None:
+    """Arguments (e.g. received tensors holding shared memory) die with their job,
+    not when the next job happens to arrive."""
+    import weakref
+
+    class Payload:
+        pass
+
+    pool = WorkerPool(1, "test")
+    payload = Payload()
+    freed = threading.Event()
+    alive = weakref.ref(payload, lambda _: freed.set())
+    pool.submit(lambda p: None, payload)
+    del payload
+    assert freed.wait(5), "the worker still holds the finished job's arguments"
+    assert alive() is None
+    pool.shutdown()
