@@ -151,16 +151,34 @@ class Inbound:
             return
         try:
             if placement is Placement.LOOP:
-                future: asyncio.Future[Any] = self._loop.create_task(
-                    func(*args, **kwargs), context=self._context.copy()
+                running[call.call_id] = self._loop.create_task(
+                    self._serve(call, func(*args, **kwargs)), context=self._context.copy()
                 )
-            else:
-                future = self._as_future(self._context.copy().run(func, *args, **kwargs), call)
+                return
+            future = self._as_future(self._context.copy().run(func, *args, **kwargs), call)
         except BaseException as exc:
             self._reply_error(call, exc)
             return
         running[call.call_id] = future
         future.add_done_callback(lambda f: self._reply_future(call, f))
+
+    async def _serve(self, call: IncomingCall, handler: Coroutine[Any, Any, Any]) -> None:
+        """Run an ``async def`` call and reply in the same step it finishes (a done
+        callback would cost the reply one more loop turn)."""
+        try:
+            result = await handler
+        except asyncio.CancelledError:
+            if self._retire(call):  # cancelled by the callee's own code: say so
+                self._reply_error(
+                    call, RemoteError(f"{call.function} was cancelled on worker {self.worker!r}")
+                )
+            raise
+        except Exception as exc:
+            if self._retire(call):
+                self._reply_error(call, exc)
+            return
+        if self._retire(call):
+            self._send_result(call, result)
 
     def _run_in_thread(self, call: IncomingCall, run: Callable[[], Any]) -> None:
         """In a pool thread: run the function and encode its reply right here."""
@@ -228,8 +246,11 @@ class Inbound:
         if error is not None:
             self._reply_error(call, error)
             return
+        self._send_result(call, future.result())
+
+    def _send_result(self, call: IncomingCall, result: Any) -> None:
         try:
-            call.link.send(Kind.RESPONSE, {"i": call.call_id}, *dumps(future.result()))
+            call.link.send(Kind.RESPONSE, {"i": call.call_id}, *dumps(result))
         except Exception as exc:
             self._reply_error(call, exc)
 
