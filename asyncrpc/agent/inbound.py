@@ -11,7 +11,9 @@ name) and runs where :func:`~asyncrpc.agent.dispatch.describe` places it:
   are queued by then.
 * LOOP -- an ``async def``: a task on the loop.
 * AWAITABLE -- ``@async_execution``: called on the loop; the reply leaves when
-  the returned awaitable completes.
+  the returned awaitable completes.  Every coroutine (an ``async def`` call, or one
+  returned by an ``async_execution`` function) runs in one wrapper task that sends
+  the reply in the step the coroutine finishes.
 
 Every call ends in exactly one RESPONSE or ERROR frame, unless its link is
 gone (then nobody is waiting).  A CANCEL from the caller (its deadline passed)
@@ -76,13 +78,12 @@ class Inbound:
     def add_link(self, link: Link) -> None:
         self._links[link] = _LinkCalls()
 
-    def drop_link(self, link: Link) -> bool:
-        """Forget a lost link and cancel what runs for it; False if it was not ours."""
+    def drop_link(self, link: Link) -> None:
+        """Forget a lost link and cancel what runs for it."""
         calls = self._links.pop(link, None)
         for future in calls.running.values() if calls else ():
             if future is not None:
                 future.cancel()
-        return calls is not None
 
     @property
     def peers(self) -> set[str]:
@@ -149,13 +150,20 @@ class Inbound:
                 self._context.copy().run, self._run_in_thread, call, lambda: func(*args, **kwargs)
             )
             return
+        context = self._context.copy()
         try:
-            if placement is Placement.LOOP:
+            # LOOP: the coroutine itself; AWAITABLE: whatever the function returns.
+            handler = (
+                func(*args, **kwargs)
+                if placement is Placement.LOOP
+                else (context.run(func, *args, **kwargs))
+            )
+            if isinstance(handler, Coroutine):
                 running[call.call_id] = self._loop.create_task(
-                    self._serve(call, func(*args, **kwargs)), context=self._context.copy()
+                    self._serve(call, handler), context=context
                 )
                 return
-            future = self._as_future(self._context.copy().run(func, *args, **kwargs), call)
+            future = self._as_future(handler, call)
         except BaseException as exc:
             self._reply_error(call, exc)
             return
@@ -169,9 +177,7 @@ class Inbound:
             result = await handler
         except asyncio.CancelledError:
             if self._retire(call):  # cancelled by the callee's own code: say so
-                self._reply_error(
-                    call, RemoteError(f"{call.function} was cancelled on worker {self.worker!r}")
-                )
+                self._reply_cancelled(call)
             raise
         except Exception as exc:
             if self._retire(call):
@@ -220,8 +226,6 @@ class Inbound:
 
             awaitable.add_done_callback(done)
             return future
-        if isinstance(awaitable, Coroutine):
-            return self._loop.create_task(awaitable, context=self._context.copy())
         if asyncio.isfuture(awaitable):
             # Callers often share one future (a batch): cancelling this call's view of
             # it (its caller timed out) must not cancel it for the others.
@@ -238,9 +242,7 @@ class Inbound:
         if not self._retire(call):
             return
         if future.cancelled():  # by the callee's own code: the caller still waits
-            self._reply_error(
-                call, RemoteError(f"{call.function} was cancelled on worker {self.worker!r}")
-            )
+            self._reply_cancelled(call)
             return
         error = future.exception()
         if error is not None:
@@ -253,6 +255,11 @@ class Inbound:
             call.link.send(Kind.RESPONSE, {"i": call.call_id}, *dumps(result))
         except Exception as exc:
             self._reply_error(call, exc)
+
+    def _reply_cancelled(self, call: IncomingCall) -> None:
+        self._reply_error(
+            call, RemoteError(f"{call.function} was cancelled on worker {self.worker!r}")
+        )
 
     def _reply_error(self, call: IncomingCall, exc: BaseException) -> None:
         if not call.link.closed:
