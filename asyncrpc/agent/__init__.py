@@ -3,21 +3,27 @@
 from asyncrpc.agent.agent import (
     DEFAULT_BUSY_POLL,
     AgentOptions,
+    Extension,
     RpcAgent,
     current_agent,
     set_default_agent,
 )
-from asyncrpc.agent.dispatch import async_execution
+from asyncrpc.agent.dispatch import async_execution, on_loop
+from asyncrpc.agent.transfer import Transfer, current_transfer
 from asyncrpc.agent.worker import WorkerAddress, WorkerInfo, validate_name
 
 __all__ = (
     "DEFAULT_BUSY_POLL",
     "AgentOptions",
+    "Extension",
     "RpcAgent",
+    "Transfer",
     "WorkerAddress",
     "WorkerInfo",
     "async_execution",
+    "on_loop",
     "current_agent",
+    "current_transfer",
     "set_default_agent",
     "validate_name",
 )

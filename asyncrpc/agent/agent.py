@@ -16,9 +16,15 @@ of its link (``PeerLostError`` at once, naming the peer).
 Incoming: see :mod:`asyncrpc.agent.dispatch` for where a function runs.  Under
 a backlog of running calls a link stops reading until the backlog halves.
 
-Shutdown (graceful): wait for our own calls to finish, tell every peer
-SHUTDOWN, and wait until every peer has either said SHUTDOWN too or is known
-dead; keep serving meanwhile.  Then close.  Every wait is bounded.
+Shutdown (graceful): let every extension drain (the RRef layer releases its
+handles), wait for our own calls to finish, tell every peer SHUTDOWN, and wait
+until every peer has either said SHUTDOWN too or is known dead; keep serving
+meanwhile.  Then close.  Every wait is bounded.
+
+Extensions: upper layers (RRefs, distributed autograd) attach one object each
+with :meth:`RpcAgent.extension`; the agent tells them of lost peers, lets them
+drain before the shutdown barrier, closes them, and merges their debug info.
+Lower layers stay ignorant of them.
 """
 
 from __future__ import annotations
@@ -29,12 +35,13 @@ import itertools
 import logging
 import os
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
 
 from asyncrpc.agent.dispatch import describe, unpack_error
 from asyncrpc.agent.inbound import Inbound
 from asyncrpc.agent.polling import BusyPoller
+from asyncrpc.agent.transfer import Undo, dumps_for, loads_from, undo
 from asyncrpc.agent.worker import WorkerAddress, WorkerInfo
 from asyncrpc.errors import (
     AgentStateError,
@@ -45,13 +52,32 @@ from asyncrpc.errors import (
     SerializationError,
     UnknownWorkerError,
 )
-from asyncrpc.serde import allocate_tensor_storage, dumps, loads
+from asyncrpc.serde import allocate_tensor_storage
 from asyncrpc.transport import Link, SegmentPool, dial, host_identity, listen
 from asyncrpc.wire import DEFAULT_MAX_FRAME_SIZE, Frame, Handshake, Identity, Kind, Role
 
 log = logging.getLogger("asyncrpc.agent")
 DEFAULT_BUSY_POLL = 300e-6  # seconds; see asyncrpc.agent.polling
 _current: contextvars.ContextVar[RpcAgent] = contextvars.ContextVar("asyncrpc_agent")
+
+
+class Extension(Protocol):
+    """What an upper layer attaches to an agent (see :meth:`RpcAgent.extension`)."""
+
+    def peer_lost(self, rank: int) -> None:
+        """A connection with worker ``rank`` was lost: treat it as gone."""
+
+    async def drain(self) -> None:
+        """Graceful shutdown is starting: finish and release what involves peers."""
+
+    def close(self) -> None:
+        """The agent is closing; drop everything."""
+
+    def debug_info(self) -> dict[str, Any]:
+        """Entries to merge into the agent's debug info."""
+
+
+E = TypeVar("E", bound=Extension)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +113,7 @@ class OutgoingRequest:
     meta: dict[str, Any]
     payload: bytes
     buffers: list[memoryview]
+    undo: Undo = field(default_factory=list)  # reverts reducers' effects if never sent
 
 
 class RpcAgent:
@@ -103,8 +130,9 @@ class RpcAgent:
         self._context.run(_current.set, self)
         self._poller = BusyPoller(options.busy_poll, self._worth_polling)
         self._inbound = Inbound(
-            name, self._context, options.num_worker_threads, options.max_running_per_link
+            self, self._context, options.num_worker_threads, options.max_running_per_link
         )
+        self._extensions: dict[str, Extension] = {}
         self._segments = SegmentPool() if options.shared_memory else None
         self._workers: dict[str, WorkerAddress] = {}
         self._by_rank: dict[int, WorkerAddress] = {}
@@ -153,6 +181,8 @@ class RpcAgent:
         try:
             if graceful and self.state == "running":
                 async with asyncio.timeout(bound if bound > 0 else None):
+                    for extension in list(self._extensions.values()):
+                        await extension.drain()
                     await self._idle.wait()
                     await self._barrier()
         except TimeoutError:
@@ -200,6 +230,8 @@ class RpcAgent:
         for link in self._links.values():
             link.close()
         self._inbound.close()
+        for extension in self._extensions.values():
+            extension.close()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._segments is not None:
             self._segments.close()
@@ -226,11 +258,15 @@ class RpcAgent:
     ) -> asyncio.Future[Any]:
         """Start a call; returns a future for its result.  Must run on the loop thread."""
         self._check_usable()
-        peer = self.resolve(to).name
+        target = self.resolve(to)
+        peer = target.name
         name = describe(func)[1]
-        payload, buffers = dumps((func, args or (), kwargs or {}))
+        payload, buffers, reverts = dumps_for(
+            self, target.rank, True, (func, args or (), kwargs or {})
+        )
         size = len(payload) + sum(b.nbytes for b in buffers)
         if size > self.options.max_frame_size:
+            undo(reverts)
             raise LocalProtocolError(
                 f"call to {name} on worker {peer!r} carries {size} bytes, more than "
                 f"max_frame_size ({self.options.max_frame_size})"
@@ -246,7 +282,7 @@ class RpcAgent:
             call.timer = self._loop.call_later(call.timeout, self._expire, call_id)
         self._pending[call_id] = call
         self._idle.clear()
-        request = OutgoingRequest(call_id, {"i": call_id, "f": name}, payload, buffers)
+        request = OutgoingRequest(call_id, {"i": call_id, "f": name}, payload, buffers, reverts)
         link = self._links.get(peer)
         if link is not None:
             self._send_request(link, request)
@@ -258,6 +294,7 @@ class RpcAgent:
         try:
             link.send(Kind.REQUEST, request.meta, request.payload, request.buffers)
         except Exception as exc:  # e.g. no shared memory left: the call fails, visibly
+            undo(request.undo)
             self._finish(request.call_id, error=exc)
             return
         self._poller.kick()
@@ -266,10 +303,13 @@ class RpcAgent:
         try:
             link = await self._connect(peer)
         except Exception as exc:
+            undo(request.undo)
             self._finish(request.call_id, error=exc)
             return
         if request.call_id in self._pending:
             self._send_request(link, request)
+        else:
+            undo(request.undo)  # timed out while dialing: it never leaves
 
     async def _connect(self, peer: str) -> Link:
         link = self._links.get(peer)
@@ -351,10 +391,11 @@ class RpcAgent:
         if call is None or call.peer != link.peer.name:
             return  # a late reply to a call that already timed out
         try:
+            value = loads_from(self, link.peer.rank, False, frame.payload, frame.buffers)
             if frame.kind == Kind.RESPONSE:
-                self._finish(call_id, result=loads(frame.payload, frame.buffers))
+                self._finish(call_id, result=value)
             else:
-                self._finish(call_id, error=unpack_error(frame.payload, frame.buffers))
+                self._finish(call_id, error=unpack_error(value))
         except SerializationError as exc:
             self._finish(
                 call_id,
@@ -401,6 +442,13 @@ class RpcAgent:
     def link_lost(self, link: Link, exc: BaseException) -> None:
         self._inbound.drop_link(link)
         peer = link.handshake.peer
+        if (
+            peer is not None
+            and link.handshake.established
+            and self.state in ("running", "draining")
+        ):
+            for extension in list(self._extensions.values()):
+                extension.peer_lost(peer.rank)
         if peer is None or self._links.get(peer.name) is not link:
             return
         del self._links[peer.name]
@@ -421,7 +469,7 @@ class RpcAgent:
     def debug_info(self) -> dict[str, Any]:
         """Pending outgoing calls, running incoming calls, connected peers and more."""
         peers = self._inbound.peers | set(self._links)
-        return {
+        info: dict[str, Any] = {
             "worker": self.info.name,
             "rank": self.info.id,
             "state": self.state,
@@ -431,6 +479,26 @@ class RpcAgent:
             "dead_peers": sorted(self._dead),
             "shared_memory": self._segments.stats if self._segments else None,
         }
+        for extension in self._extensions.values():
+            info.update(extension.debug_info())
+        return info
+
+    def extension(self, key: str, create: Callable[[RpcAgent], E]) -> E:
+        """The extension registered under ``key``, made by ``create(self)`` on first use."""
+        found = self._extensions.get(key)
+        if found is None:
+            found = self._extensions[key] = create(self)
+        return found  # type: ignore[return-value]  # one key, one type, by convention
+
+    def invoke(
+        self,
+        func: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> asyncio.Future[Any]:
+        """Run ``func`` here, placed as an incoming call would be (thread pool, loop task,
+        awaitable or inline); returns a future of its result."""
+        return self._inbound.invoke(func, args, kwargs or {})
 
     def _worth_polling(self) -> bool:
         """Spin while calls are in flight, unless pool threads need the GIL."""

@@ -8,6 +8,9 @@ The function decides where it runs:
 * functions marked :func:`async_execution` run on the loop and return an
   awaitable (an asyncio future, a coroutine, or a ``torch.futures.Future``);
   the reply leaves when it completes, and no thread is held meanwhile;
+* functions marked :func:`on_loop` (quick, non-blocking bookkeeping such as
+  the RRef protocol's messages) run on the loop at once; their return value is
+  the reply;
 * every other callable runs in the worker's thread pool, so torch compute
   never blocks the loop.  Its result is also serialised in that thread.
 
@@ -31,6 +34,7 @@ from asyncrpc.serde import dumps, loads
 
 F = TypeVar("F", bound=Callable[..., Any])
 _MARK = "_asyncrpc_async_execution"
+_ON_LOOP = "_asyncrpc_on_loop"
 
 
 def async_execution(fn: F) -> F:
@@ -46,12 +50,23 @@ def async_execution(fn: F) -> F:
     return fn
 
 
+def on_loop(fn: F) -> F:
+    """Mark ``fn`` to run on the callee's event loop as soon as the request arrives.
+
+    For short, non-blocking functions only (framework bookkeeping): no task and
+    no thread hop, and the return value is the reply.
+    """
+    setattr(fn, _ON_LOOP, True)
+    return fn
+
+
 class Placement(Enum):
     """Where an incoming call runs."""
 
     THREAD = auto()  # plain callables: the worker's thread pool
     LOOP = auto()  # async def: a task on the event loop
     AWAITABLE = auto()  # @async_execution: on the loop, reply when its awaitable completes
+    INLINE = auto()  # @on_loop: called on the loop at once, its return value is the reply
 
 
 _CACHEABLE = (types.FunctionType, types.BuiltinFunctionType)
@@ -72,6 +87,8 @@ def describe(fn: Any) -> tuple[Placement, str]:
 def _placement(fn: Any) -> Placement:
     if getattr(fn, _MARK, False):
         return Placement.AWAITABLE
+    if getattr(fn, _ON_LOOP, False):
+        return Placement.INLINE
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
         getattr(fn, "__call__", None)  # noqa: B004 - instances with an async __call__
     ):
@@ -80,7 +97,11 @@ def _placement(fn: Any) -> Placement:
 
 
 def function_name(fn: Any) -> str:
-    """A readable ``module.qualname`` for error messages."""
+    """A readable ``module.qualname`` for error messages (or the ``rpc_name`` a callable
+    object gives itself)."""
+    own = getattr(fn, "rpc_name", None)
+    if isinstance(own, str):
+        return own
     module = getattr(fn, "__module__", None) or ""
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
     return f"{module}.{name}" if module else str(name)
@@ -98,9 +119,10 @@ def pack_error(exc: BaseException, worker: str, function: str) -> tuple[bytes, l
         return dumps((stand_in, worker, function, text))
 
 
-def unpack_error(payload: bytes | bytearray, buffers: list[Any]) -> BaseException:
-    """Rebuild a remote exception, with where it came from attached."""
-    raw, worker, function, text = loads(payload, buffers)
+def unpack_error(packed: Any) -> BaseException:
+    """Rebuild a remote exception from what :func:`pack_error` made (once unpickled),
+    with where it came from attached."""
+    raw, worker, function, text = packed
     exc = raw if isinstance(raw, BaseException) else RemoteError(f"malformed error: {raw!r}")
     exc.remote_worker = worker  # type: ignore[attr-defined]
     exc.remote_function = function  # type: ignore[attr-defined]

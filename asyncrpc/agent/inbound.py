@@ -14,6 +14,10 @@ name) and runs where :func:`~asyncrpc.agent.dispatch.describe` places it:
   the returned awaitable completes.  Every coroutine (an ``async def`` call, or one
   returned by an ``async_execution`` function) runs in one wrapper task that sends
   the reply in the step the coroutine finishes.
+* INLINE -- ``@on_loop``: called on the loop at once; the reply leaves at once.
+
+:meth:`Inbound.invoke` runs a function by the same placement rules for upper
+layers (an RRef's value is made this way) and returns a future of its result.
 
 Every call ends in exactly one RESPONSE or ERROR frame, unless its link is
 gone (then nobody is waiting).  A CANCEL from the caller (its deadline passed)
@@ -31,16 +35,19 @@ import threading
 from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from asyncrpc.agent.dispatch import Placement, describe, pack_error
 from asyncrpc.agent.pool import WorkerPool
+from asyncrpc.agent.transfer import Undo, dumps_for, loads_from, undo
 from asyncrpc.errors import RemoteError, RemoteProtocolError, SerializationError
-from asyncrpc.serde import dumps, loads
 from asyncrpc.transport import Link
 from asyncrpc.wire import Frame, Kind
+
+if TYPE_CHECKING:
+    from asyncrpc.agent.agent import RpcAgent
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,15 +67,16 @@ class Inbound:
     """Runs the calls that arrive on a worker's accepted links."""
 
     def __init__(
-        self, worker: str, context: contextvars.Context, threads: int, max_running: int
+        self, agent: RpcAgent, context: contextvars.Context, threads: int, max_running: int
     ) -> None:
-        self.worker = worker
+        self.worker = worker = agent.info.name
         self.max_running = max_running
+        self._agent = agent
         self._context = context
         self._loop = asyncio.get_running_loop()
         self._pool = WorkerPool(threads, f"asyncrpc-{worker}")
         self._links: dict[Link, _LinkCalls] = {}
-        self._completions: deque[tuple[IncomingCall, bool, Any]] = deque()
+        self._completions: deque[tuple[IncomingCall, bool, Any, Undo]] = deque()
         self._lock = threading.Lock()
         self._drain_scheduled = False
         self.threads_busy = 0  # calls handed to the pool and not yet back on the loop
@@ -108,7 +116,9 @@ class Inbound:
             return
         call = IncomingCall(link, call_id, str(frame.meta.get("f", "?")))
         try:
-            func, args, kwargs = loads(frame.payload, frame.buffers)
+            func, args, kwargs = loads_from(
+                self._agent, link.peer.rank, True, frame.payload, frame.buffers
+            )
         except Exception as exc:
             self._reply_error(
                 call,
@@ -152,23 +162,83 @@ class Inbound:
             return
         context = self._context.copy()
         try:
-            # LOOP: the coroutine itself; AWAITABLE: whatever the function returns.
-            handler = (
-                func(*args, **kwargs)
-                if placement is Placement.LOOP
-                else (context.run(func, *args, **kwargs))
-            )
+            if placement is Placement.INLINE:
+                self._send_result(call, context.run(func, *args, **kwargs))
+                return
+            handler = self._call_on_loop(placement, context, func, args, kwargs)
             if isinstance(handler, Coroutine):
                 running[call.call_id] = self._loop.create_task(
                     self._serve(call, handler), context=context
                 )
                 return
-            future = self._as_future(handler, call)
+            future = self._as_future(handler, call.function)
         except BaseException as exc:
             self._reply_error(call, exc)
             return
         running[call.call_id] = future
         future.add_done_callback(lambda f: self._reply_future(call, f))
+
+    def invoke(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> asyncio.Future[Any]:
+        """Run ``func`` where its placement says (as an incoming call would run);
+        returns a future, on the loop, of its result."""
+        placement, name = describe(func)
+        context = self._context.copy()
+        if placement is Placement.THREAD:
+            future = self._loop.create_future()
+            self.threads_busy += 1
+            self._pool.submit(context.run, self._invoke_in_thread, future, func, args, kwargs)
+            return future
+        try:
+            if placement is Placement.INLINE:
+                done = self._loop.create_future()
+                done.set_result(context.run(func, *args, **kwargs))
+                return done
+            handler = self._call_on_loop(placement, context, func, args, kwargs)
+            if isinstance(handler, Coroutine):
+                return self._loop.create_task(handler, context=context)
+            return self._as_future(handler, name)
+        except Exception as exc:
+            failed = self._loop.create_future()
+            failed.set_exception(exc)
+            return failed
+
+    @staticmethod
+    def _call_on_loop(
+        placement: Placement,
+        context: contextvars.Context,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """LOOP: the coroutine itself; AWAITABLE: whatever the function returns."""
+        if placement is Placement.LOOP:
+            return func(*args, **kwargs)
+        return context.run(func, *args, **kwargs)
+
+    def _invoke_in_thread(
+        self,
+        future: asyncio.Future[Any],
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        try:
+            outcome: tuple[bool, Any] = (True, func(*args, **kwargs))
+        except BaseException as exc:
+            outcome = (False, exc)
+        with contextlib.suppress(RuntimeError):  # loop closed: the agent has shut down
+            self._loop.call_soon_threadsafe(self._settle, future, *outcome)
+
+    def _settle(self, future: asyncio.Future[Any], ok: bool, value: Any) -> None:
+        self.threads_busy -= 1
+        if future.done():
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
 
     async def _serve(self, call: IncomingCall, handler: Coroutine[Any, Any, Any]) -> None:
         """Run an ``async def`` call and reply in the same step it finishes (a done
@@ -188,14 +258,17 @@ class Inbound:
 
     def _run_in_thread(self, call: IncomingCall, run: Callable[[], Any]) -> None:
         """In a pool thread: run the function and encode its reply right here."""
+        reverts: Undo = []
         try:
+            payload, buffers, reverts = dumps_for(self._agent, call.link.peer.rank, False, run())
             outcome: tuple[bool, Any] = (
                 True,
-                call.link.encode(Kind.RESPONSE, {"i": call.call_id}, *dumps(run())),
+                call.link.encode(Kind.RESPONSE, {"i": call.call_id}, payload, buffers),
             )
         except BaseException as exc:
+            undo(reverts)
             outcome = (False, exc)
-        self._completions.append((call, *outcome))
+        self._completions.append((call, *outcome, reverts))
         with self._lock:
             if self._drain_scheduled:
                 return
@@ -208,16 +281,17 @@ class Inbound:
         with self._lock:
             self._drain_scheduled = False
         while self._completions:
-            call, ok, value = self._completions.popleft()
+            call, ok, value, reverts = self._completions.popleft()
             self.threads_busy -= 1
             if not self._retire(call):
+                undo(reverts)  # the reply will never leave
                 continue
             if ok:
                 call.link.write(value)
             else:
                 self._reply_error(call, value)
 
-    def _as_future(self, awaitable: Any, call: IncomingCall) -> asyncio.Future[Any]:
+    def _as_future(self, awaitable: Any, function: str) -> asyncio.Future[Any]:
         if isinstance(awaitable, torch.futures.Future):
             future = self._loop.create_future()
 
@@ -231,7 +305,7 @@ class Inbound:
             # it (its caller timed out) must not cancel it for the others.
             return asyncio.shield(awaitable)
         raise TypeError(
-            f"async_execution function {call.function} returned "
+            f"async_execution function {function} returned "
             f"{type(awaitable).__name__}, not an awaitable "
             "(asyncio future, coroutine or torch.futures.Future)"
         )
@@ -251,9 +325,12 @@ class Inbound:
         self._send_result(call, future.result())
 
     def _send_result(self, call: IncomingCall, result: Any) -> None:
+        reverts: Undo = []
         try:
-            call.link.send(Kind.RESPONSE, {"i": call.call_id}, *dumps(result))
+            payload, buffers, reverts = dumps_for(self._agent, call.link.peer.rank, False, result)
+            call.link.send(Kind.RESPONSE, {"i": call.call_id}, payload, buffers)
         except Exception as exc:
+            undo(reverts)
             self._reply_error(call, exc)
 
     def _reply_cancelled(self, call: IncomingCall) -> None:

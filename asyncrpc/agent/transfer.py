@@ -1,0 +1,93 @@
+"""Which message a value is being (de)serialised for, so reducers can take part.
+
+Theory of operation
+-------------------
+Most values pickle the same way whatever their destination.  A few do not: an
+RRef handle sent to another worker must register a fork with its owner (or pin
+its sender) *as* it is pickled, and must attach itself to the receiving worker's
+reference table as it is unpickled.  Such reducers live in upper layers and need
+to know the agent, the peer at the other end and whether the value rides in a
+request or in a reply (the two travel on different links, which matters for
+ordering).  The agent sets a :class:`Transfer` in a context variable around
+every ``dumps``/``loads`` of a message; :func:`current_transfer` reads it.
+
+A reducer that changes state while pickling registers an ``undo`` callback: if
+serialisation of the whole message fails, the message never leaves and every
+undo runs, so no state change outlives a message that was not sent.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from asyncrpc.serde import dumps, loads
+
+if TYPE_CHECKING:
+    from asyncrpc.agent.agent import RpcAgent
+
+
+@dataclass(slots=True)
+class Transfer:
+    """One message being serialised to, or deserialised from, ``peer_rank``."""
+
+    agent: RpcAgent
+    peer_rank: int
+    request: bool  # a request (else a reply); requests and replies use different links
+    undo: list[Callable[[], None]] = field(default_factory=list)  # see dumps_for
+
+
+_transfer: contextvars.ContextVar[Transfer | None] = contextvars.ContextVar(
+    "asyncrpc_transfer", default=None
+)
+
+
+def current_transfer() -> Transfer | None:
+    """The message being (de)serialised in this thread, if any."""
+    return _transfer.get()
+
+
+Undo = list[Callable[[], None]]
+
+
+def dumps_for(
+    agent: RpcAgent, peer_rank: int, request: bool, value: Any
+) -> tuple[bytes, list[memoryview], Undo]:
+    """``serde.dumps`` for a message to ``peer_rank``.
+
+    Also returns the undo callbacks of the reducers that ran: call :func:`undo` on
+    them if the message is never sent.  If serialisation fails they run here.
+    """
+    transfer = Transfer(agent, peer_rank, request)
+    token = _transfer.set(transfer)
+    try:
+        payload, buffers = dumps(value)
+    except BaseException:
+        undo(transfer.undo)
+        raise
+    finally:
+        _transfer.reset(token)
+    return payload, buffers, transfer.undo
+
+
+def undo(callbacks: Undo) -> None:
+    """Revert what reducers did for a message that will not be sent (latest first)."""
+    while callbacks:
+        callbacks.pop()()
+
+
+def loads_from(
+    agent: RpcAgent,
+    peer_rank: int,
+    request: bool,
+    payload: bytes | bytearray,
+    buffers: Sequence[Any],
+) -> Any:
+    """``serde.loads`` for a message that came from ``peer_rank``."""
+    token = _transfer.set(Transfer(agent, peer_rank, request))
+    try:
+        return loads(payload, buffers)
+    finally:
+        _transfer.reset(token)
