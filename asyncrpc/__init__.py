@@ -22,9 +22,11 @@ from asyncrpc.errors import (
     ProtocolError,
     RemoteError,
     RPCTimeoutError,
+    RRefError,
     SerializationError,
     UnknownWorkerError,
 )
+from asyncrpc.rref import RRef, remote
 
 __version__ = "0.1.0"
 
@@ -35,6 +37,8 @@ __all__ = (
     "PeerLostError",
     "ProtocolError",
     "RPCTimeoutError",
+    "RRef",
+    "RRefError",
     "RemoteError",
     "SerializationError",
     "UnknownWorkerError",
@@ -43,6 +47,7 @@ __all__ = (
     "get_debug_info",
     "get_worker_info",
     "init_rpc",
+    "remote",
     "rpc_async",
     "rpc_sync",
     "shutdown",

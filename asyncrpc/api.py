@@ -21,6 +21,7 @@ from asyncrpc.agent import (
 )
 from asyncrpc.errors import AgentStateError, RPCTimeoutError
 from asyncrpc.rendezvous import Store, create_store, exchange, job_secret, listen_host_for
+from asyncrpc.rref import context_for
 from asyncrpc.wire import DEFAULT_MAX_FRAME_SIZE
 
 Target = str | int | WorkerInfo
@@ -86,6 +87,7 @@ async def init_rpc(
         await agent.shutdown(graceful=False)
         raise
     agent.join([WorkerAddress.from_dict(r) for r in records])
+    context_for(agent)  # RRefs are part of every agent: count them from the start
     agent.store = store  # type: ignore[attr-defined]  # keeps a hosted TCPStore alive
     set_default_agent(agent)
 
@@ -139,33 +141,13 @@ def rpc_sync(
     kwargs: dict[str, Any] | None = None,
     timeout: float | None = None,
 ) -> Any:
-    """Blocking form of :func:`rpc_async`, for threads other than the event loop's."""
+    """Blocking form of :func:`rpc_async`, for threads other than the event loop's
+    (called on the loop thread it raises instead of deadlocking)."""
     agent = _agent()
-    if agent.loop.is_running() and _on_loop_thread(agent.loop):
-        raise AgentStateError(
-            "rpc_sync was called on the event loop thread, where it would deadlock; "
-            "use `await asyncrpc.rpc_async(...)` there"
-        )
     limit = agent.options.rpc_timeout if timeout is None else timeout
-
-    async def call() -> Any:
-        return await agent.rpc_async(to, func, args, kwargs, timeout)
-
-    future = asyncio.run_coroutine_threadsafe(call(), agent.loop)
-    try:
-        return future.result(timeout=limit + 5.0 if limit > 0 else None)
-    except TimeoutError as exc:
-        if isinstance(exc, RPCTimeoutError):
-            raise
-        future.cancel()
-        raise RPCTimeoutError(f"rpc_sync to {to!r} got no answer in {limit}s") from None
-
-
-def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:  # no loop runs in this thread
-        return False
+    return agent.run_blocking(
+        lambda: agent.rpc_async(to, func, args, kwargs, timeout), limit, f"rpc_sync to {to!r}"
+    )
 
 
 def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:

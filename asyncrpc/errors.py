@@ -69,3 +69,7 @@ class RemoteError(AsyncRPCError):
 
     ``exc_type`` holds the remote type's qualified name.
     """
+
+
+class RRefError(AsyncRPCError, LookupError):
+    """An RRef was used where it cannot be: its value is gone, not ready, or not here."""

@@ -34,7 +34,7 @@ import contextvars
 import itertools
 import logging
 import os
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -78,6 +78,7 @@ class Extension(Protocol):
 
 
 E = TypeVar("E", bound=Extension)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -483,6 +484,28 @@ class RpcAgent:
             info.update(extension.debug_info())
         return info
 
+    def run_blocking(self, start: Callable[[], Awaitable[T]], limit: float, what: str) -> T:
+        """From another thread: run ``start()`` on the loop and wait for it (the
+        blocking form of a call).  ``limit`` (seconds, 0: none) bounds the wait; ``what``
+        names the call in errors.  On the loop thread it raises instead of deadlocking."""
+        if self._loop.is_running() and _on_loop_thread(self._loop):
+            raise AgentStateError(
+                f"{what} was called on the event loop thread, where it would deadlock; "
+                "await the async form there"
+            )
+
+        async def run() -> T:
+            return await start()
+
+        future = asyncio.run_coroutine_threadsafe(run(), self._loop)
+        try:
+            return future.result(timeout=limit + 5.0 if limit > 0 else None)
+        except TimeoutError as exc:
+            if isinstance(exc, RPCTimeoutError):
+                raise
+            future.cancel()
+            raise RPCTimeoutError(f"{what} got no answer in {limit}s") from None
+
     def extension(self, key: str, create: Callable[[RpcAgent], E]) -> E:
         """The extension registered under ``key``, made by ``create(self)`` on first use."""
         found = self._extensions.get(key)
@@ -517,6 +540,13 @@ class RpcAgent:
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._loop
+
+
+def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:  # no loop runs in this thread
+        return False
 
 
 _default: RpcAgent | None = None

@@ -1,0 +1,229 @@
+"""The asyncio shell around one worker's RRef state machine.
+
+Theory of operation
+-------------------
+:class:`RRefContext` is an agent extension.  It feeds events to
+:class:`~asyncrpc.rref.protocol.RRefState` under a lock (handles are pickled in
+pool threads too) and carries out the instructions that come back on the event
+loop: protocol messages become small RPCs to ``@on_loop`` handlers (a
+ForkRequest's reply is the owner's confirmation), ``Free`` drops a value,
+``Orphan`` fails one.
+
+Owner side, each RRef's value is an asyncio future in ``values`` (made when the
+RRef is first heard of, set when its function finishes), so a ``to_here`` or a
+method call that overtakes the ``remote()`` that makes the value simply waits.
+
+A Python handle that dies (in any thread, perhaps inside the garbage collector)
+only appends its id to a queue; the loop drains the queue.  So the state is
+never touched from a finaliser, and counting handles instead of flagging them
+makes the order of deaths and births irrelevant.
+
+Graceful shutdown (``drain``): wait until every fork we hold is confirmed and
+no child we sent is still pinned, then delete every fork we hold and wait for
+the owners to acknowledge.  Every wait is bounded by the agent's shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from asyncrpc.agent import RpcAgent, current_agent, on_loop
+from asyncrpc.errors import AgentStateError, PeerLostError, RRefError
+from asyncrpc.rref.protocol import (
+    ChildAccepted,
+    ForkDeleted,
+    ForkId,
+    ForkRequest,
+    Free,
+    Instruction,
+    Orphan,
+    RRefId,
+    RRefState,
+    Send,
+)
+
+log = logging.getLogger("asyncrpc.rref")
+
+
+class RRefContext:
+    """One worker's RRefs: the protocol state, the owned values, the messages in flight."""
+
+    def __init__(self, agent: RpcAgent) -> None:
+        self.agent = agent
+        self.rank = agent.info.id
+        self.state = RRefState(self.rank)
+        self.values: dict[RRefId, asyncio.Future[Any]] = {}
+        self._loop = agent.loop
+        self._loop_thread = threading.get_ident()
+        self._lock = threading.Lock()
+        self._dropped: deque[RRefId] = deque()
+        self._drain_scheduled = False
+        self._in_flight: set[asyncio.Future[Any]] = set()
+        self._changed = asyncio.Event()
+        self.closed = False
+
+    # -- events --------------------------------------------------------------------
+
+    def event(self, step: Callable[..., list[Instruction]], *args: Any) -> None:
+        """Apply one state-machine step and carry out what it says (any thread)."""
+        with self._lock:
+            instructions = step(*args)
+        if instructions:
+            self._carry_out(instructions)
+
+    def _carry_out(self, instructions: list[Instruction]) -> None:
+        if threading.get_ident() != self._loop_thread:
+            self._loop.call_soon_threadsafe(self._carry_out, instructions)
+            return
+        for instruction in instructions:
+            if isinstance(instruction, Send):
+                self._post(instruction.to, instruction.message)
+            elif isinstance(instruction, Free):
+                self.values.pop(instruction.rref, None)
+            elif isinstance(instruction, Orphan):
+                self._fail(instruction.rref, instruction.creator)
+        self._changed.set()
+
+    def _fail(self, rref: RRefId, creator: int) -> None:
+        future = self.values.get(rref)
+        name = self.agent.resolve(creator).name
+        if future is not None and not future.done():
+            future.set_exception(
+                PeerLostError(
+                    f"worker {name!r} died before RRef {rref} was made on {self.agent.info.name!r}",
+                    worker=name,
+                )
+            )
+            future.exception()  # retrieved: whoever uses it will see it
+
+    def _post(self, to: int, message: Any) -> None:
+        if self.closed or self.agent.state not in ("running", "draining"):
+            return
+        handler = _HANDLERS[type(message)]
+        try:
+            sent = self.agent.rpc_async(to, handler, (message.rref, message.fork, self.rank))
+        except Exception as exc:  # e.g. the worker is unknown: nothing to tell it
+            log.warning("cannot send %s to worker %d: %s", message, to, exc)
+            return
+        self._in_flight.add(sent)
+        sent.add_done_callback(lambda f: self._delivered(f, message))
+
+    def _delivered(self, sent: asyncio.Future[Any], message: Any) -> None:
+        self._in_flight.discard(sent)
+        error = None if sent.cancelled() else sent.exception()
+        if isinstance(message, ForkRequest):
+            # Answered, or failed after it left: either way our later ForkDeleted follows
+            # it on the same link (and a dead owner's RRefs are forgotten anyway).
+            self.event(self.state.fork_confirmed, message.rref)
+        if error is not None and not isinstance(error, (PeerLostError, AgentStateError)):
+            log.warning("RRef message %s failed: %s", message, error)
+        self._changed.set()
+
+    # -- handles -------------------------------------------------------------------
+
+    def create_local(self, value: asyncio.Future[Any]) -> RRefId:
+        """An owned RRef for ``value`` (a future of it), with one handle."""
+        with self._lock:
+            rref = self.state.create_local()
+        self.values[rref] = value
+        return rref
+
+    def value_of(self, rref: RRefId) -> asyncio.Future[Any]:
+        """Owner: the future of ``rref``'s value (made if this is the first we hear)."""
+        future = self.values.get(rref)
+        if future is None:
+            if rref not in self.state.owned:
+                raise RRefError(
+                    f"RRef {rref} does not exist on worker {self.agent.info.name!r} "
+                    "(it was freed, or never created here)"
+                )
+            future = self.values[rref] = self._loop.create_future()
+        return future
+
+    def dropped(self, rref: RRefId) -> None:
+        """A Python handle died (any thread, maybe inside the GC): count it later."""
+        self._dropped.append(rref)
+        if self._drain_scheduled or self.closed:
+            return
+        self._drain_scheduled = True
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to release
+            self._loop.call_soon_threadsafe(self._count_dropped)
+
+    def _count_dropped(self) -> None:
+        self._drain_scheduled = False
+        while self._dropped:
+            self.event(self.state.handle_dropped, self._dropped.popleft())
+
+    # -- agent extension -----------------------------------------------------------
+
+    def peer_lost(self, rank: int) -> None:
+        self.event(self.state.peer_lost, rank)
+
+    async def drain(self) -> None:
+        self._count_dropped()
+        while not (self.state.settled and not self._in_flight):
+            self._changed.clear()
+            await self._changed.wait()
+        self.event(self.state.release_all)
+        while self._in_flight:
+            self._changed.clear()
+            await self._changed.wait()
+
+    def close(self) -> None:
+        self.closed = True
+        self.values.clear()
+        with self._lock:
+            self.state = RRefState(self.rank)
+
+    def debug_info(self) -> dict[str, Any]:
+        return {
+            "owner_rrefs": sum(1 for owned in self.state.owned.values() if owned.forks),
+            "user_rrefs": len(self.state.held),
+        }
+
+
+def context_for(agent: RpcAgent) -> RRefContext:
+    """The RRef context of ``agent`` (made on first use)."""
+    return agent.extension("rref", RRefContext)
+
+
+def _here() -> RRefContext:
+    agent = current_agent()
+    if agent is None:
+        raise AgentStateError("RRef message outside of a running agent")
+    return context_for(agent)
+
+
+# -- the protocol's message handlers, run on the receiving worker's loop -----------
+
+
+@on_loop
+def _on_fork_request(rref: RRefId, fork: ForkId, sender: int) -> None:
+    context = _here()
+    with context._lock:
+        context.state.fork_requested(rref, fork, sender)
+
+
+@on_loop
+def _on_child_accepted(rref: RRefId, fork: ForkId, sender: int) -> None:
+    context = _here()
+    context.event(context.state.child_accepted, rref, fork)
+
+
+@on_loop
+def _on_fork_deleted(rref: RRefId, fork: ForkId, sender: int) -> None:
+    context = _here()
+    context.event(context.state.fork_deleted, rref, fork)
+
+
+_HANDLERS: dict[type, Callable[[RRefId, ForkId, int], None]] = {
+    ForkRequest: _on_fork_request,
+    ChildAccepted: _on_child_accepted,
+    ForkDeleted: _on_fork_deleted,
+}

@@ -1,0 +1,385 @@
+"""RRef handles: ``remote()``, ``RRef(value)``, ``to_here()`` and method proxies.
+
+Theory of operation
+-------------------
+An :class:`RRef` is a thin Python handle: the RRef's id, its owner's rank and
+the worker's :class:`~asyncrpc.rref.context.RRefContext`.  Every handle is
+counted by the state machine when it is made and uncounted when it dies, so
+the owner's value lives exactly as long as some handle (or a fork in flight)
+exists somewhere.
+
+On the wire a handle pickles (through the agent's transfer context) to
+``(id, owner, fork, sender)``; unpickling it on the receiver attaches a new
+handle to that worker's context.  ``remote()`` sends one request to the owner,
+which records the RRef before running the function by the usual placement
+rules; ``to_here()`` and method calls that follow on the same link are
+answered once the value exists.  A method call sends a :class:`_MethodCall`
+that unpickles, on the owner, to the bound method itself, so it runs where any
+function would (loop, awaitable or thread pool) with no extra hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Generic, TypeVar
+
+from asyncrpc.agent import RpcAgent, WorkerInfo, async_execution, current_agent, current_transfer
+from asyncrpc.errors import AgentStateError, RRefError, SerializationError
+from asyncrpc.rref.context import RRefContext, context_for
+from asyncrpc.rref.protocol import ForkId, RRefId
+from asyncrpc.serde import register_reducer
+
+T = TypeVar("T")
+Target = str | int | WorkerInfo
+
+
+class RRef(Generic[T]):
+    """A reference to a value that lives on its owner worker.
+
+    ``RRef(value)`` wraps a local value (this worker owns it) so it can be sent to
+    others; :func:`remote` makes one whose value is built on another worker.
+    """
+
+    __slots__ = ("__weakref__", "_context", "_creation", "_id", "_owner")
+
+    _context: RRefContext
+    _id: RRefId
+    _owner: int
+    _creation: asyncio.Future[Any] | None
+
+    def __init__(self, value: T) -> None:
+        context = context_for(_agent())
+        done = context.agent.loop.create_future()
+        done.set_result(value)
+        self._context = context
+        self._id = context.create_local(done)
+        self._owner = context.rank
+        self._creation = None
+
+    @classmethod
+    def _attach(
+        cls,
+        context: RRefContext,
+        rref: RRefId,
+        owner: int,
+        creation: asyncio.Future[Any] | None = None,
+    ) -> RRef[Any]:
+        """A handle for an RRef the state machine has just counted one more handle of."""
+        handle: RRef[Any] = cls.__new__(cls)
+        handle._context, handle._id, handle._owner, handle._creation = (
+            context,
+            rref,
+            owner,
+            creation,
+        )
+        return handle
+
+    def __del__(self) -> None:
+        context = getattr(self, "_context", None)
+        if context is not None and not context.closed:
+            context.dropped(self._id)
+
+    def __copy__(self) -> RRef[T]:
+        return self  # a handle is an immutable reference: copies are the same handle
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RRef[T]:
+        return self
+
+    def __reduce__(self) -> Any:
+        raise SerializationError(
+            f"{self!r} can only be pickled into asyncrpc calls (arguments or results)"
+        )
+
+    def __repr__(self) -> str:
+        return f"RRef(owner={self.owner_name()!r}, id={self._id})"
+
+    # -- where it lives ------------------------------------------------------------
+
+    def owner(self) -> WorkerInfo:
+        """The worker that holds the value."""
+        return self._context.agent.resolve(self._owner).info
+
+    def owner_name(self) -> str:
+        """The name of the worker that holds the value."""
+        return self.owner().name
+
+    def is_owner(self) -> bool:
+        """True on the worker that holds the value."""
+        return self._owner == self._context.rank
+
+    def confirmed_by_owner(self) -> bool:
+        """True once the owner counts this worker's reference (always, on the owner)."""
+        if self.is_owner():
+            return True
+        held = self._context.state.held.get(self._id)
+        return held is not None and held.confirmed
+
+    # -- the value -----------------------------------------------------------------
+
+    def local_value(self) -> T:
+        """The value itself; only on the owner, once it has been made."""
+        if not self.is_owner():
+            raise RRefError(
+                f"local_value() of {self!r} called on worker {self._context.agent.info.name!r}, "
+                "which is not its owner; use `await rref.to_here()`"
+            )
+        future = self._context.value_of(self._id)
+        if not future.done():
+            raise RRefError(f"the value of {self!r} is not made yet; `await rref.to_here()`")
+        return future.result()  # type: ignore[no-any-return]
+
+    async def to_here(self, timeout: float | None = None) -> T:
+        """A copy of the value (the value itself on the owner).  An error raised while
+        making it, or a timeout of ``remote()``, is raised here."""
+        if self.is_owner():
+            future = self._context.value_of(self._id)
+            waited = asyncio.wait_for(asyncio.shield(future), timeout) if timeout else future
+            return await waited  # type: ignore[no-any-return]
+        self._raise_creation_error()
+        value = self._context.agent.rpc_async(self._owner, _fetch, (self._id,), timeout=timeout)
+        return await value  # type: ignore[no-any-return]
+
+    def _raise_creation_error(self) -> None:
+        creation = self._creation
+        if creation is not None and creation.done() and not creation.cancelled():
+            error = creation.exception()
+            if error is not None:
+                raise error
+
+    # -- proxies -------------------------------------------------------------------
+
+    def rpc_async(self, timeout: float | None = None) -> Any:
+        """``rref.rpc_async().method(*a, **kw)`` runs ``method`` on the owner; a future."""
+        return _Proxy(self, "rpc_async", timeout)
+
+    def rpc_sync(self, timeout: float | None = None) -> Any:
+        """``rref.rpc_sync().method(*a, **kw)``: the blocking form, for other threads."""
+        return _Proxy(self, "rpc_sync", timeout)
+
+    def remote(self, timeout: float | None = None) -> Any:
+        """``rref.remote().method(*a, **kw)``: an RRef, on the owner, of the result."""
+        return _Proxy(self, "remote", timeout)
+
+    def _call(
+        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float | None
+    ) -> asyncio.Future[Any]:
+        self._raise_creation_error()
+        if self.is_owner():
+            return _call_when_made(self._context, self._id, method, args, kwargs)
+        call = _MethodCall(self, method)
+        return self._context.agent.rpc_async(self._owner, call, args, kwargs, timeout)
+
+
+class _Proxy:
+    """What ``rref.rpc_async()`` and friends return: attribute access picks the method."""
+
+    __slots__ = ("_kind", "_rref", "_timeout")
+
+    def __init__(self, rref: RRef[Any], kind: str, timeout: float | None) -> None:
+        self._rref, self._kind, self._timeout = rref, kind, timeout
+
+    def __getattr__(self, method: str) -> Any:
+        rref, kind, timeout = self._rref, self._kind, self._timeout
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if kind == "rpc_async":
+                return rref._call(method, args, kwargs, timeout)
+            if kind == "remote":
+                return remote(rref._owner, _MethodCall(rref, method), args, kwargs, timeout)
+            agent = rref._context.agent
+            limit = agent.options.rpc_timeout if timeout is None else timeout
+            return agent.run_blocking(
+                lambda: rref._call(method, args, kwargs, timeout), limit, f"{rref!r}.{method}"
+            )
+
+        call.__name__ = method
+        return call
+
+
+class _MethodCall:
+    """``getattr(rref_value, method)`` as a callable sent to the owner; it unpickles
+    there to the bound method (see :func:`_owner_method`)."""
+
+    __slots__ = ("method", "rpc_name", "rref")
+
+    def __init__(self, rref: RRef[Any], method: str) -> None:
+        self.rref, self.method = rref, method
+        self.rpc_name = f"RRef{rref._id}.{method}"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.rref.is_owner():
+            raise RRefError(f"{self.rpc_name} can only run on the owner of the RRef")
+        value = self.rref.local_value()
+        return getattr(value, self.method)(*args, **kwargs)
+
+
+def _reduce_method_call(call: _MethodCall) -> Any:
+    transfer = current_transfer()
+    if transfer is None or transfer.peer_rank != call.rref._owner:
+        raise SerializationError(f"{call.rpc_name} can only be sent to the RRef's owner")
+    return _owner_method, (call.rref._id, call.method)
+
+
+def _owner_method(rref: RRefId, method: str) -> Any:
+    """On the owner: the bound method, or a stand-in that waits for the value first."""
+    context = _receiving_context()
+    future = context.value_of(rref)
+    if _made(future):
+        return getattr(future.result(), method)
+    return _WhenMade(context, rref, method)
+
+
+def _made(value: asyncio.Future[Any]) -> bool:
+    return value.done() and not value.cancelled() and value.exception() is None
+
+
+class _WhenMade:
+    """Runs a method once the RRef's value exists (or raises why it never will)."""
+
+    _asyncrpc_async_execution = True  # placed as an awaitable: no thread waits
+
+    def __init__(self, context: RRefContext, rref: RRefId, method: str) -> None:
+        self.context, self.rref, self.method = context, rref, method
+
+    def __call__(self, *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
+        return _call_when_made(self.context, self.rref, self.method, args, kwargs)
+
+
+def _call_when_made(
+    context: RRefContext, rref: RRefId, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> asyncio.Future[Any]:
+    """Owner: call ``value.method(*args, **kwargs)`` by its placement once the value exists."""
+    value = context.value_of(rref)
+    if _made(value):
+        return context.agent.invoke(getattr(value.result(), method), args, kwargs)
+
+    async def later() -> Any:
+        made = await asyncio.shield(value)
+        return await context.agent.invoke(getattr(made, method), args, kwargs)
+
+    return asyncio.ensure_future(later())
+
+
+# -- remote() and the owner's handlers --------------------------------------------------
+
+
+def remote(
+    to: Target,
+    func: Any,
+    args: tuple[Any, ...] | None = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float | None = None,
+) -> RRef[Any]:
+    """Run ``func(*args, **kwargs)`` on worker ``to`` and keep the result there.
+
+    Returns an RRef at once, without waiting for a round trip.  An error raised by
+    ``func``, or a timeout (``timeout`` seconds, default ``rpc_timeout``), is raised
+    by the first use of the RRef.  Call it on the event loop thread.
+    """
+    agent = _agent()
+    context = context_for(agent)
+    owner = agent.resolve(to).rank
+    if owner == context.rank:
+        made = (
+            _call_when_made(context, func.rref._id, func.method, args or (), kwargs or {})
+            if isinstance(func, _MethodCall)
+            else agent.invoke(func, args or (), kwargs or {})
+        )
+        return RRef._attach(context, context.create_local(made), owner)
+    with context._lock:
+        rref, fork = context.state.create_remote(owner)
+    try:
+        creation = agent.rpc_async(
+            owner, _create, (rref, fork, func, args or (), kwargs or {}), timeout=timeout
+        )
+    except BaseException:
+        with context._lock:
+            del context.state.held[rref]  # nothing was sent, and no handle exists
+        raise
+    creation.add_done_callback(lambda _: context.event(context.state.fork_confirmed, rref))
+    return RRef._attach(context, rref, owner, creation)
+
+
+@async_execution
+def _create(
+    rref: RRefId, fork: ForkId, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> asyncio.Future[None]:
+    """Owner side of ``remote()``: count the creator's fork, make the value; reply when
+    it is made (with nothing: the value stays here) or failed."""
+    context = context_for(_agent())
+    with context._lock:
+        first = context.state.owner_create(rref, fork, rref[0])
+    value = context.value_of(rref)
+    if first:
+        context.agent.invoke(func, args, kwargs).add_done_callback(
+            lambda made: _settle_value(value, made)
+        )
+    return asyncio.ensure_future(_outcome(value))
+
+
+async def _outcome(value: asyncio.Future[Any]) -> None:
+    await asyncio.shield(value)
+
+
+def _settle_value(value: asyncio.Future[Any], made: asyncio.Future[Any]) -> None:
+    if value.done():
+        return
+    if made.cancelled():
+        value.cancel()
+    elif made.exception() is not None:
+        value.set_exception(made.exception())  # type: ignore[arg-type]
+        value.exception()  # retrieved: it is raised to whoever uses the RRef
+    else:
+        value.set_result(made.result())
+
+
+@async_execution
+def _fetch(rref: RRefId) -> asyncio.Future[Any]:
+    """Owner side of ``to_here()``: the value, once made."""
+    return context_for(_agent()).value_of(rref)
+
+
+# -- pickling handles --------------------------------------------------------------------
+
+
+def _reduce_rref(handle: RRef[Any]) -> Any:
+    transfer = current_transfer()
+    if transfer is None:
+        raise SerializationError(
+            f"{handle!r} can only be pickled into asyncrpc calls (arguments or results)"
+        )
+    context = context_for(transfer.agent)
+    rref, to = handle._id, transfer.peer_rank
+    with context._lock:
+        fork = context.state.send(rref, to, transfer.request)
+    transfer.undo.append(lambda: context.event(context.state.unsend, rref, fork))
+    return _rebuild_rref, (rref, handle._owner, fork, context.rank)
+
+
+def _rebuild_rref(rref: RRefId, owner: int, fork: ForkId | None, parent: int) -> RRef[Any]:
+    context = _receiving_context()
+    try:
+        context.event(context.state.receive, rref, owner, fork, parent)
+    except KeyError:
+        raise RRefError(
+            f"RRef {rref} does not exist on its owner {context.agent.info.name!r} any more"
+        ) from None
+    return RRef._attach(context, rref, owner)
+
+
+def _receiving_context() -> RRefContext:
+    transfer = current_transfer()
+    if transfer is None:
+        raise SerializationError("RRefs can only be unpickled from asyncrpc messages")
+    return context_for(transfer.agent)
+
+
+def _agent() -> RpcAgent:
+    agent = current_agent()
+    if agent is None:
+        raise AgentStateError("RPC is not initialised: call `await asyncrpc.init_rpc(...)` first")
+    return agent
+
+
+register_reducer(RRef, _reduce_rref)
+register_reducer(_MethodCall, _reduce_method_call)
