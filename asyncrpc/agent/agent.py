@@ -256,12 +256,17 @@ class RpcAgent:
         args: tuple[Any, ...] | None = (),
         kwargs: dict[str, Any] | None = None,
         timeout: float | None = None,
+        *,
+        label: str | None = None,
     ) -> asyncio.Future[Any]:
-        """Start a call; returns a future for its result.  Must run on the loop thread."""
+        """Start a call; returns a future for its result.  Must run on the loop thread.
+
+        ``label`` names the call in errors on both sides (default: the function's name).
+        """
         self._check_usable()
         target = self.resolve(to)
         peer = target.name
-        name = describe(func)[1]
+        name = label or describe(func)[1]
         payload, buffers, reverts = dumps_for(
             self, target.rank, True, (func, args or (), kwargs or {})
         )

@@ -24,6 +24,7 @@ import asyncio
 from typing import Any, Generic, TypeVar
 
 from asyncrpc.agent import RpcAgent, WorkerInfo, async_execution, current_agent, current_transfer
+from asyncrpc.agent.dispatch import function_name
 from asyncrpc.errors import AgentStateError, RRefError, SerializationError
 from asyncrpc.rref.context import RRefContext, context_for
 from asyncrpc.rref.protocol import ForkId, RRefId
@@ -136,8 +137,30 @@ class RRef(Generic[T]):
             waited = asyncio.wait_for(asyncio.shield(future), timeout) if timeout else future
             return await waited  # type: ignore[no-any-return]
         self._raise_creation_error()
-        value = self._context.agent.rpc_async(self._owner, _fetch, (self._id,), timeout=timeout)
-        return await value  # type: ignore[no-any-return]
+        value = self._context.agent.rpc_async(
+            self._owner, _fetch, (self._id,), timeout=timeout, label=f"{self!r}.to_here"
+        )
+        return await self._unless_creation_fails(value)  # type: ignore[no-any-return]
+
+    def _unless_creation_fails(self, call: asyncio.Future[Any]) -> asyncio.Future[Any]:
+        """``call``'s outcome, or the error of ``remote()`` if that comes first."""
+        creation = self._creation
+        if creation is None or creation.done():
+            return call
+        first: asyncio.Future[Any] = call.get_loop().create_future()
+
+        def copy(done: asyncio.Future[Any]) -> None:
+            if first.done():
+                return
+            if done is call:
+                _copy_outcome(call, first)
+            elif not done.cancelled() and done.exception() is not None:
+                first.set_exception(done.exception())  # type: ignore[arg-type]
+                call.remove_done_callback(copy)  # a late reply must not keep `first` alive
+
+        call.add_done_callback(copy)
+        creation.add_done_callback(copy)
+        return first
 
     def _raise_creation_error(self) -> None:
         creation = self._creation
@@ -167,7 +190,8 @@ class RRef(Generic[T]):
         if self.is_owner():
             return _call_when_made(self._context, self._id, method, args, kwargs)
         call = _MethodCall(self, method)
-        return self._context.agent.rpc_async(self._owner, call, args, kwargs, timeout)
+        sent = self._context.agent.rpc_async(self._owner, call, args, kwargs, timeout)
+        return self._unless_creation_fails(sent)
 
 
 class _Proxy:
@@ -224,9 +248,9 @@ def _owner_method(rref: RRefId, method: str) -> Any:
     """On the owner: the bound method, or a stand-in that waits for the value first."""
     context = _receiving_context()
     future = context.value_of(rref)
-    if _made(future):
+    if _made(future) and hasattr(future.result(), method):
         return getattr(future.result(), method)
-    return _WhenMade(context, rref, method)
+    return _WhenMade(context, rref, method)  # it waits, or raises when called
 
 
 def _made(value: asyncio.Future[Any]) -> bool:
@@ -290,14 +314,25 @@ def remote(
         rref, fork = context.state.create_remote(owner)
     try:
         creation = agent.rpc_async(
-            owner, _create, (rref, fork, func, args or (), kwargs or {}), timeout=timeout
+            owner,
+            _create,
+            (rref, fork, func, args or (), kwargs or {}),
+            timeout=timeout,
+            label=f"remote({function_name(func)})",
         )
     except BaseException:
         with context._lock:
             del context.state.held[rref]  # nothing was sent, and no handle exists
         raise
-    creation.add_done_callback(lambda _: context.event(context.state.fork_confirmed, rref))
+    creation.add_done_callback(lambda done: _created(context, rref, done))
     return RRef._attach(context, rref, owner, creation)
+
+
+def _created(context: RRefContext, rref: RRefId, creation: asyncio.Future[Any]) -> None:
+    """The owner answered ``remote()`` (or it failed): an error waits for the first use."""
+    if not creation.cancelled():
+        creation.exception()  # retrieved: the first use of the RRef raises it
+    context.event(context.state.fork_confirmed, rref)
 
 
 @async_execution
@@ -314,23 +349,43 @@ def _create(
         context.agent.invoke(func, args, kwargs).add_done_callback(
             lambda made: _settle_value(value, made)
         )
-    return asyncio.ensure_future(_outcome(value))
+    return _outcome(value)
 
 
-async def _outcome(value: asyncio.Future[Any]) -> None:
-    await asyncio.shield(value)
+def _outcome(value: asyncio.Future[Any]) -> asyncio.Future[None]:
+    """A future of ``value``'s success (None) or error, settled in the same step as
+    ``value``: the creator's confirmation leaves before any ``to_here`` reply."""
+    outcome: asyncio.Future[None] = value.get_loop().create_future()
+
+    def settle(done: asyncio.Future[Any]) -> None:
+        if outcome.done():
+            return
+        if done.cancelled():
+            outcome.cancel()
+        elif done.exception() is not None:
+            outcome.set_exception(done.exception())  # type: ignore[arg-type]
+        else:
+            outcome.set_result(None)
+
+    value.add_done_callback(settle)
+    return outcome
 
 
 def _settle_value(value: asyncio.Future[Any], made: asyncio.Future[Any]) -> None:
-    if value.done():
-        return
-    if made.cancelled():
-        value.cancel()
-    elif made.exception() is not None:
-        value.set_exception(made.exception())  # type: ignore[arg-type]
+    _copy_outcome(made, value)
+    if value.done() and not value.cancelled():
         value.exception()  # retrieved: it is raised to whoever uses the RRef
+
+
+def _copy_outcome(source: asyncio.Future[Any], target: asyncio.Future[Any]) -> None:
+    if target.done():
+        return
+    if source.cancelled():
+        target.cancel()
+    elif source.exception() is not None:
+        target.set_exception(source.exception())  # type: ignore[arg-type]
     else:
-        value.set_result(made.result())
+        target.set_result(source.result())
 
 
 @async_execution

@@ -1,0 +1,216 @@
+"""RRefs between three agents on one event loop, over real loopback sockets.
+
+Fast tests of the API's behaviour; the multi-process jobs are in test_rref_processes.py.
+``remote()`` and ``RRef(value)`` act for the *default* agent, so each test says
+which worker acts with :func:`acting_as`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import gc
+import pickle
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from asyncrpc import RemoteError, RPCTimeoutError, RRef, RRefError, SerializationError, remote
+from asyncrpc.agent import AgentOptions, RpcAgent, async_execution, set_default_agent
+from asyncrpc.rref import context_for
+
+pytestmark = pytest.mark.timeout(30)
+SECRET = b"rref test secret"
+
+
+@pytest.fixture
+async def trio() -> AsyncIterator[tuple[RpcAgent, RpcAgent, RpcAgent]]:
+    options = AgentOptions(transports=("unix",), rpc_timeout=10)
+    agents = [RpcAgent(name, rank, SECRET, options) for rank, name in enumerate("abc")]
+    addresses = [await agent.start() for agent in agents]
+    for agent in agents:
+        agent.join(addresses)
+    set_default_agent(agents[0])
+    yield agents[0], agents[1], agents[2]
+    set_default_agent(None)
+    for agent in agents:
+        await agent.shutdown(graceful=False)
+
+
+@contextlib.contextmanager
+def acting_as(agent: RpcAgent) -> Iterator[None]:
+    set_default_agent(agent)
+    try:
+        yield
+    finally:
+        set_default_agent(None)
+
+
+async def settled(agents: tuple[RpcAgent, ...]) -> list[dict[str, int]]:
+    """Count dropped handles and wait until no RRef message is in flight anywhere."""
+    contexts = [context_for(agent) for agent in agents]
+    while True:
+        gc.collect()
+        for context in contexts:
+            context._count_dropped()
+        flying = [f for context in contexts for f in context._in_flight]
+        if not flying:
+            return [{k: v for k, v in a.debug_info().items() if "rrefs" in k} for a in agents]
+        await asyncio.gather(*flying, return_exceptions=True)
+
+
+ZERO = {"owner_rrefs": 0, "user_rrefs": 0}
+
+
+class Counter:
+    def __init__(self, start: int = 0) -> None:
+        self.n = start
+
+    def add(self, k: int) -> int:
+        self.n += k
+        return self.n
+
+    async def add_later(self, k: int) -> int:
+        await asyncio.sleep(0)
+        return self.add(k)
+
+    @async_execution
+    def add_when_told(self, k: int, told: Any) -> asyncio.Future[int]:
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        future.set_result(self.add(k))
+        return future
+
+    def fail(self) -> None:
+        raise KeyError("no such key")
+
+
+class Broken:
+    def __init__(self) -> None:
+        raise ValueError("cannot build")
+
+
+def slow_value() -> int:
+    import time
+
+    time.sleep(0.5)
+    return 1
+
+
+def owner_of(rref: RRef[Any]) -> str:
+    return rref.owner_name()
+
+
+def echo(x: Any) -> Any:
+    return x
+
+
+def value_on_owner(rref: RRef[Counter]) -> int:
+    return rref.local_value().n
+
+
+async def test_remote_to_here_and_proxies(trio: tuple[RpcAgent, RpcAgent, RpcAgent]) -> None:
+    rref = remote("b", Counter, (5,))
+    assert not rref.is_owner() and rref.owner().name == "b" and rref.owner_name() == "b"
+    assert (await rref.to_here()).n == 5
+    assert await rref.rpc_async().add(1) == 6
+    assert rref.confirmed_by_owner()  # its answer left b before the reply to add()
+    assert await rref.rpc_async().add_later(1) == 7
+    assert await rref.rpc_async().add_when_told(1, None) == 8
+    added = rref.remote().add(2)
+    assert await added.to_here() == 10 and added.owner_name() == "b"
+    in_thread = await asyncio.to_thread(lambda r=rref: r.rpc_sync().add(0))
+    assert in_thread == 10
+    assert await trio[0].rpc_async("b", value_on_owner, (rref,)) == 10
+    del rref, added
+    assert await settled(trio) == [ZERO] * 3
+
+
+async def test_errors_surface_on_first_use(trio: tuple[RpcAgent, RpcAgent, RpcAgent]) -> None:
+    broken = remote("b", Broken)
+    with pytest.raises(ValueError, match="cannot build") as caught:
+        await broken.to_here()
+    assert caught.value.remote_worker == "b"  # type: ignore[attr-defined]
+    assert 'raise ValueError("cannot build")' in caught.value.remote_traceback  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="cannot build"):
+        await broken.rpc_async().anything()
+    counter = remote("b", Counter)
+    with pytest.raises(KeyError, match="no such key"):
+        await counter.rpc_async().fail()
+    with pytest.raises(AttributeError, match="missing"):
+        await counter.rpc_async().missing()
+    slow = remote("b", slow_value, timeout=0.1)
+    with pytest.raises(RPCTimeoutError, match="'b'"):
+        await slow.to_here()
+    del broken, counter, slow, caught  # (the traceback refers to the handle too)
+    assert await settled(trio) == [ZERO] * 3
+
+
+async def test_local_value_only_on_owner(trio: tuple[RpcAgent, RpcAgent, RpcAgent]) -> None:
+    local = RRef(torch.arange(3))
+    assert local.is_owner() and local.confirmed_by_owner()
+    assert torch.equal(local.local_value(), torch.arange(3))
+    assert torch.equal(await local.to_here(), torch.arange(3))
+    remote_one = remote("b", Counter)
+    with pytest.raises(RRefError, match="not its owner"):
+        remote_one.local_value()
+    await remote_one.to_here()
+
+
+async def test_handles_travel_everywhere_and_are_released(
+    trio: tuple[RpcAgent, RpcAgent, RpcAgent],
+) -> None:
+    a = trio[0]
+    counter = remote("b", Counter, (1,))
+    mine = RRef(torch.ones(2))
+    # owner->user, user->user, user->owner, nested, in arguments and in results
+    assert await a.rpc_async("c", owner_of, (counter,)) == "b"
+    back = await a.rpc_async("c", echo, ({"nested": [counter, (mine,)]},))
+    assert back["nested"][0].owner_name() == "b" and back["nested"][1][0].is_owner()
+    via_owner = await a.rpc_async("b", echo, (counter,))
+    assert via_owner.owner_name() == "b" and not via_owner.is_owner()
+    assert await a.rpc_async("c", echo, (mine,)) is not None
+    counts = await settled(trio)
+    assert counts[1]["owner_rrefs"] == 1 and counts[0]["user_rrefs"] == 1
+    del counter, mine, back, via_owner
+    assert await settled(trio) == [ZERO] * 3
+
+
+async def test_remote_to_self_and_owner_proxies(
+    trio: tuple[RpcAgent, RpcAgent, RpcAgent],
+) -> None:
+    rref = remote("a", Counter, (3,))
+    assert rref.is_owner()
+    assert (await rref.to_here()).n == 3
+    assert await rref.rpc_async().add(1) == 4
+    assert await rref.remote().add(1).to_here() == 5
+    assert await asyncio.to_thread(lambda: rref.rpc_sync().add(1)) == 6
+    with acting_as(trio[2]):
+        from_c = remote("c", Counter)
+    assert from_c.owner_name() == "c"
+
+
+async def test_rref_only_pickles_into_calls(trio: tuple[RpcAgent, RpcAgent, RpcAgent]) -> None:
+    rref = RRef(1)
+    with pytest.raises(SerializationError, match="asyncrpc calls"):
+        pickle.dumps(rref)
+    assert copy.deepcopy([rref])[0] is rref
+
+
+async def test_dead_owner_fails_uses_at_once(trio: tuple[RpcAgent, RpcAgent, RpcAgent]) -> None:
+    a, _, c = trio
+    rref = remote("c", Counter)
+    await rref.to_here()
+    await c.shutdown(graceful=False)
+    with pytest.raises(ConnectionError, match="'c'"):
+        await rref.to_here()
+    with pytest.raises(ConnectionError, match="'c'"):
+        await rref.rpc_async().add(1)
+    assert context_for(a).debug_info()["user_rrefs"] == 0  # forgotten with its owner
+
+
+async def test_remote_error_type_survives(trio: tuple[RpcAgent, RpcAgent, RpcAgent]) -> None:
+    rref = remote("b", RemoteError, ("x",))  # a value that is itself an exception type
+    assert isinstance(await rref.to_here(), RemoteError)
