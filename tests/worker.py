@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import sys
 
@@ -14,7 +15,9 @@ from tests.cluster import RESULT_PREFIX
 
 def main() -> None:
     name, rank, world, port, loop, transport = sys.argv[1:7]
-    scenario = getattr(scenarios, name)
+    module, _, function = name.rpartition(".")  # "module.scenario" or a tests.scenarios name
+    source = importlib.import_module(f"tests.{module}") if module else scenarios
+    scenario = getattr(source, function)
     run = uvloop.run if loop == "uvloop" else asyncio.run
     config = scenarios.Config(int(rank), int(world), int(port), transport)
     result = run(scenario(config))

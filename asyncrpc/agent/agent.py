@@ -16,10 +16,12 @@ of its link (``PeerLostError`` at once, naming the peer).
 Incoming: see :mod:`asyncrpc.agent.dispatch` for where a function runs.  Under
 a backlog of running calls a link stops reading until the backlog halves.
 
-Shutdown (graceful): let every extension drain (the RRef layer releases its
-handles), wait for our own calls to finish, tell every peer SHUTDOWN, and wait
-until every peer has either said SHUTDOWN too or is known dead; keep serving
-meanwhile.  Then close.  Every wait is bounded.
+Shutdown (graceful) is two barriers; we keep serving throughout.  Phase 1: wait
+for our own calls to finish, tell every peer SHUTDOWN, and wait until every
+peer has said so too or is known dead.  Now no user code anywhere starts a
+call.  Then every extension drains (the RRef layer gives back its handles to
+their owners), and phase 2 repeats the barrier, so nobody closes while a peer
+still talks to it.  Then close.  Every wait is bounded.
 
 Extensions: upper layers (RRefs, distributed autograd) attach one object each
 with :meth:`RpcAgent.extension`; the agent tells them of lost peers, lets them
@@ -145,10 +147,11 @@ class RpcAgent:
         self._tasks: set[asyncio.Future[Any]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._peers_done: set[str] = set()
+        self._peers_done: dict[int, set[str]] = {1: set(), 2: set()}  # by barrier phase
         self._dead: set[str] = set()
         self._barrier_changed = asyncio.Event()
         self.state = "new"
+        self.closing_debug_info: dict[str, Any] = {}
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -182,10 +185,12 @@ class RpcAgent:
         try:
             if graceful and self.state == "running":
                 async with asyncio.timeout(bound if bound > 0 else None):
+                    await self._idle.wait()
+                    await self._barrier(1)
                     for extension in list(self._extensions.values()):
                         await extension.drain()
                     await self._idle.wait()
-                    await self._barrier()
+                    await self._barrier(2)
         except TimeoutError:
             raise RPCTimeoutError(
                 f"shutdown of {self.info.name!r} timed out after {bound}s: {self._waiting_for()}"
@@ -198,28 +203,32 @@ class RpcAgent:
             calls = sorted({f"{c.function} on {c.peer!r}" for c in self._pending.values()})
             return f"{len(self._pending)} of our calls still pending ({', '.join(calls[:5])})"
         others = set(self._workers) - {self.info.name}
-        missing = sorted(others - self._peers_done - self._dead)
-        return f"workers that have not called shutdown: {missing}"
+        if others - self._peers_done[1] - self._dead:
+            missing = sorted(others - self._peers_done[1] - self._dead)
+            return f"workers that have not called shutdown: {missing}"
+        missing = sorted(others - self._peers_done[2] - self._dead)
+        return f"workers still releasing their RRefs and the like: {missing}"
 
-    async def _barrier(self) -> None:
+    async def _barrier(self, phase: int) -> None:
         self.state = "draining"
         others = [name for name in self._workers if name != self.info.name]
-        await asyncio.gather(*(self._announce_shutdown(name) for name in others))
-        while not set(others) <= self._peers_done | self._dead:
+        await asyncio.gather(*(self._announce_shutdown(name, phase) for name in others))
+        while not set(others) <= self._peers_done[phase] | self._dead:
             self._barrier_changed.clear()
             await self._barrier_changed.wait()
 
-    async def _announce_shutdown(self, name: str) -> None:
-        """Tell ``name`` we are done; a peer that cannot be dialled is dead."""
+    async def _announce_shutdown(self, name: str, phase: int) -> None:
+        """Tell ``name`` we reached ``phase``; a peer that cannot be dialled is dead."""
         try:
             link = await self._connect(name)
         except (PeerLostError, TimeoutError):
             self._mark_dead(name)
             return
         self._dead.discard(name)  # a lost link earlier, but it is alive: wait for it
-        link.send(Kind.SHUTDOWN, {"rank": self.info.id})
+        link.send(Kind.SHUTDOWN, {"rank": self.info.id, "phase": phase})
 
     async def _close(self) -> None:
+        self.closing_debug_info = self.debug_info()  # what was left: leaks show here
         self.state = "closing"
         for server in self._servers:
             server.close()
@@ -442,8 +451,10 @@ class RpcAgent:
         elif kind == Kind.CANCEL:
             self._inbound.on_cancel(link, frame)
         elif kind == Kind.SHUTDOWN:
-            self._peers_done.add(link.peer.name)
-            self._barrier_changed.set()
+            phase = frame.meta.get("phase")
+            if phase in self._peers_done:
+                self._peers_done[phase].add(link.peer.name)
+                self._barrier_changed.set()
 
     def link_lost(self, link: Link, exc: BaseException) -> None:
         self._inbound.drop_link(link)
@@ -466,7 +477,7 @@ class RpcAgent:
                 self._finish(call_id, error=lost)
 
     def _mark_dead(self, name: str) -> None:
-        if name not in self._peers_done and self.state in ("draining", "running"):
+        if name not in self._peers_done[2] and self.state in ("draining", "running"):
             self._dead.add(name)
             self._barrier_changed.set()
 

@@ -18,9 +18,11 @@ only appends its id to a queue; the loop drains the queue.  So the state is
 never touched from a finaliser, and counting handles instead of flagging them
 makes the order of deaths and births irrelevant.
 
-Graceful shutdown (``drain``): wait until every fork we hold is confirmed and
-no child we sent is still pinned, then delete every fork we hold and wait for
-the owners to acknowledge.  Every wait is bounded by the agent's shutdown.
+Graceful shutdown (``drain``, once every worker has stopped making calls):
+wait until every fork we hold is confirmed and no child we sent is still
+pinned, then delete every fork we hold, whatever Python still refers to it,
+and wait for the owners to acknowledge.  Every wait is bounded by the agent's
+shutdown.
 """
 
 from __future__ import annotations
@@ -74,8 +76,7 @@ class RRefContext:
         """Apply one state-machine step and carry out what it says (any thread)."""
         with self._lock:
             instructions = step(*args)
-        if instructions:
-            self._carry_out(instructions)
+        self._carry_out(instructions)  # also wakes `drain`, even with nothing to do
 
     def _carry_out(self, instructions: list[Instruction]) -> None:
         if threading.get_ident() != self._loop_thread:
@@ -176,6 +177,7 @@ class RRefContext:
             await self._changed.wait()
 
     def close(self) -> None:
+        """Every peer is done or dead: nothing can use an RRef here any more."""
         self.closed = True
         self.values.clear()
         with self._lock:

@@ -67,12 +67,8 @@ class RRef(Generic[T]):
     ) -> RRef[Any]:
         """A handle for an RRef the state machine has just counted one more handle of."""
         handle: RRef[Any] = cls.__new__(cls)
-        handle._context, handle._id, handle._owner, handle._creation = (
-            context,
-            rref,
-            owner,
-            creation,
-        )
+        handle._context, handle._id, handle._owner = context, rref, owner
+        handle._creation = creation
         return handle
 
     def __del__(self) -> None:
