@@ -4,7 +4,7 @@ Public names follow ``torch.distributed.rpc``; every call that touches the
 network is awaitable.  See README.md and docs/ for the guide.
 """
 
-from asyncrpc import functions
+from asyncrpc import autograd, functions, nn, optim
 from asyncrpc.agent import WorkerInfo
 from asyncrpc.api import (
     get_debug_info,
@@ -43,10 +43,13 @@ __all__ = (
     "SerializationError",
     "UnknownWorkerError",
     "WorkerInfo",
+    "autograd",
     "functions",
     "get_debug_info",
     "get_worker_info",
     "init_rpc",
+    "nn",
+    "optim",
     "remote",
     "rpc_async",
     "rpc_sync",

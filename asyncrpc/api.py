@@ -21,6 +21,7 @@ from asyncrpc.agent import (
 )
 from asyncrpc.errors import AgentStateError, RPCTimeoutError
 from asyncrpc.rendezvous import Store, create_store, exchange, job_secret, listen_host_for
+from asyncrpc.autograd.context import contexts_of
 from asyncrpc.rref import context_for
 from asyncrpc.wire import DEFAULT_MAX_FRAME_SIZE
 
@@ -87,7 +88,8 @@ async def init_rpc(
         await agent.shutdown(graceful=False)
         raise
     agent.join([WorkerAddress.from_dict(r) for r in records])
-    context_for(agent)  # RRefs are part of every agent: count them from the start
+    context_for(agent)  # RRefs and autograd contexts are part of every agent: count
+    contexts_of(agent)  # them (get_debug_info) from the start
     agent.store = store  # type: ignore[attr-defined]  # keeps a hosted TCPStore alive
     set_default_agent(agent)
 

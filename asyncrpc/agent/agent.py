@@ -406,7 +406,7 @@ class RpcAgent:
         if call is None or call.peer != link.peer.name:
             return  # a late reply to a call that already timed out
         try:
-            value = loads_from(self, link.peer.rank, False, frame.payload, frame.buffers)
+            value, _ = loads_from(self, link.peer.rank, False, frame.payload, frame.buffers)
             if frame.kind == Kind.RESPONSE:
                 self._finish(call_id, result=value)
             else:

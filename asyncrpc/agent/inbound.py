@@ -116,7 +116,7 @@ class Inbound:
             return
         call = IncomingCall(link, call_id, str(frame.meta.get("f", "?")))
         try:
-            func, args, kwargs = loads_from(
+            (func, args, kwargs), transfer = loads_from(
                 self._agent, link.peer.rank, True, frame.payload, frame.buffers
             )
         except Exception as exc:
@@ -129,7 +129,10 @@ class Inbound:
                 ),
             )
             return
-        self._start(call, func, args, kwargs)
+        context = self._context.copy()
+        for variable, value in transfer.call_vars:
+            context.run(variable.set, value)
+        self._start(call, context, func, args, kwargs)
         self._apply_backpressure(link)
 
     def on_cancel(self, link: Link, frame: Frame) -> None:
@@ -147,20 +150,19 @@ class Inbound:
     def _start(
         self,
         call: IncomingCall,
+        context: contextvars.Context,
         func: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> None:
+        """Run ``func`` for ``call`` in ``context`` (a copy of the agent's, for this call)."""
         running = self._links[call.link].running
         placement = describe(func)[0]
         if placement is Placement.THREAD:
             running[call.call_id] = None
             self.threads_busy += 1
-            self._pool.submit(
-                self._context.copy().run, self._run_in_thread, call, lambda: func(*args, **kwargs)
-            )
+            self._pool.submit(context.run, self._run_in_thread, call, lambda: func(*args, **kwargs))
             return
-        context = self._context.copy()
         try:
             if placement is Placement.INLINE:
                 self._send_result(call, context.run(func, *args, **kwargs))
@@ -176,7 +178,7 @@ class Inbound:
             self._reply_error(call, exc)
             return
         running[call.call_id] = future
-        future.add_done_callback(lambda f: self._reply_future(call, f))
+        future.add_done_callback(lambda f: self._reply_future(call, f), context=context)
 
     def invoke(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -14,6 +14,10 @@ every ``dumps``/``loads`` of a message; :func:`current_transfer` reads it.
 A reducer that changes state while pickling registers an ``undo`` callback: if
 serialisation of the whole message fails, the message never leaves and every
 undo runs, so no state change outlives a message that was not sent.
+
+Unpickling a request, a reducer may also ask for context variables to be set
+while the called function runs (``call_vars``): distributed autograd uses this
+to run a callee inside the caller's autograd context.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class Transfer:
     peer_rank: int
     request: bool  # a request (else a reply); requests and replies use different links
     undo: list[Callable[[], None]] = field(default_factory=list)  # see dumps_for
+    call_vars: list[tuple[contextvars.ContextVar[Any], Any]] = field(default_factory=list)
 
 
 _transfer: contextvars.ContextVar[Transfer | None] = contextvars.ContextVar(
@@ -84,10 +89,12 @@ def loads_from(
     request: bool,
     payload: bytes | bytearray,
     buffers: Sequence[Any],
-) -> Any:
-    """``serde.loads`` for a message that came from ``peer_rank``."""
-    token = _transfer.set(Transfer(agent, peer_rank, request))
+) -> tuple[Any, Transfer]:
+    """``serde.loads`` for a message that came from ``peer_rank``; also returns the
+    transfer, whose ``call_vars`` the reducers may have filled."""
+    transfer = Transfer(agent, peer_rank, request)
+    token = _transfer.set(transfer)
     try:
-        return loads(payload, buffers)
+        return loads(payload, buffers), transfer
     finally:
         _transfer.reset(token)

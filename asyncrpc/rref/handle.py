@@ -21,6 +21,7 @@ function would (loop, awaitable or thread pool) with no extra hop.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 from asyncrpc.agent import RpcAgent, WorkerInfo, async_execution, current_agent, current_transfer
@@ -165,6 +166,18 @@ class RRef(Generic[T]):
             if error is not None:
                 raise error
 
+    async def backward(self, context_id: int, retain_graph: bool = False) -> None:
+        """Distributed backward pass from this RRef's scalar value, run on its owner
+        in autograd context ``context_id`` (see :mod:`asyncrpc.autograd`)."""
+        if _backward is None:
+            raise AgentStateError("distributed autograd is not loaded (import asyncrpc)")
+        if self.is_owner():
+            await _backward(self, context_id)
+            return
+        await self._context.agent.rpc_async(
+            self._owner, _backward, (self, context_id), label=f"{self!r}.backward"
+        )
+
     # -- proxies -------------------------------------------------------------------
 
     def rpc_async(self, timeout: float | None = None) -> Any:
@@ -188,6 +201,15 @@ class RRef(Generic[T]):
         call = _MethodCall(self, method)
         sent = self._context.agent.rpc_async(self._owner, call, args, kwargs, timeout)
         return self._unless_creation_fails(sent)
+
+
+_backward: Callable[[RRef[Any], int], Awaitable[None]] | None = None
+
+
+def set_backward(backward: Callable[[RRef[Any], int], Awaitable[None]]) -> None:
+    """Distributed autograd registers what ``RRef.backward`` runs on the owner."""
+    global _backward
+    _backward = backward
 
 
 class _Proxy:

@@ -1,6 +1,13 @@
 """Serialisation: values <-> (pickle payload, zero-copy tensor buffers)."""
 
-from asyncrpc.serde.pickler import dumps, loads, register_reducer
+from asyncrpc.serde.pickler import dumps, loads, reduce_tensor, register_reducer
 from asyncrpc.serde.tensors import allocate_tensor_storage, byte_view
 
-__all__ = ("allocate_tensor_storage", "byte_view", "dumps", "loads", "register_reducer")
+__all__ = (
+    "allocate_tensor_storage",
+    "byte_view",
+    "dumps",
+    "loads",
+    "reduce_tensor",
+    "register_reducer",
+)

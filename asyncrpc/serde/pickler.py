@@ -32,13 +32,22 @@ import torch
 from asyncrpc.errors import SerializationError
 from asyncrpc.serde.tensors import dump_tensor, is_plain, load_tensor
 
-Reduced = tuple[Callable[..., Any], tuple[Any, ...]]
-_REDUCERS: dict[type, Callable[[Any], Reduced]] = {}
+_REDUCERS: dict[type, Callable[[Any], Any]] = {}
 
 
-def register_reducer(cls: type, reducer: Callable[[Any], Reduced]) -> None:
-    """Make instances of exactly ``cls`` pickle as ``reducer(obj)`` on the wire."""
+def register_reducer(cls: type, reducer: Callable[[Any], Any]) -> None:
+    """Make instances of exactly ``cls`` pickle as ``reducer(obj)`` on the wire (a
+    ``(callable, args)`` pair, or ``NotImplemented`` for the default)."""
     _REDUCERS[cls] = reducer
+
+
+def reduce_tensor(obj: Any) -> Any:
+    """The out-of-band reduction of a plain tensor (else ``NotImplemented``): for reducers
+    registered for tensor types that fall back to the usual form."""
+    if isinstance(obj, torch.Tensor) and is_plain(obj):
+        meta, view = dump_tensor(obj)
+        return load_tensor, (meta, pickle.PickleBuffer(view))
+    return NotImplemented
 
 
 class _Pickler(pickle.Pickler):
@@ -46,10 +55,7 @@ class _Pickler(pickle.Pickler):
         reducer = _REDUCERS.get(type(obj))
         if reducer is not None:
             return reducer(obj)
-        if isinstance(obj, torch.Tensor) and is_plain(obj):
-            meta, view = dump_tensor(obj)
-            return load_tensor, (meta, pickle.PickleBuffer(view))
-        return NotImplemented
+        return reduce_tensor(obj)
 
 
 class _Reusable:

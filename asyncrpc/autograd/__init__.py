@@ -1,0 +1,105 @@
+"""Distributed autograd: contexts, a backward pass across workers, per-context gradients.
+
+```python
+async with asyncrpc.autograd.context() as ctx_id:
+    loss = await forward_that_calls_other_workers(batch)
+    await asyncrpc.autograd.backward(ctx_id, [loss])
+    grads = asyncrpc.autograd.get_gradients(ctx_id)  # {tensor: gradient}, this worker's
+```
+
+See :mod:`asyncrpc.autograd.context` (recording) and :mod:`asyncrpc.autograd.engine`
+(the backward pass).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+import torch
+
+from asyncrpc.agent import RpcAgent, current_agent
+from asyncrpc.autograd.context import ContextId, contexts_of, current_context_id
+from asyncrpc.autograd.engine import run_backward
+from asyncrpc.errors import AgentStateError
+from asyncrpc.rref.handle import RRef, set_backward
+
+__all__ = ("backward", "context", "get_gradients")
+log = logging.getLogger("asyncrpc.autograd")
+
+
+@asynccontextmanager
+async def context() -> AsyncIterator[ContextId]:
+    """Open a distributed autograd context; yields its id.
+
+    While it is open, RPCs from this task that carry tensors requiring grad (in
+    arguments or results) are recorded so that :func:`backward` can cross them.
+    Leaving it releases the context on every worker that took part.
+    """
+    agent = _agent()
+    contexts = contexts_of(agent)
+    opened = contexts.new_context()
+    token = current_context_id.set(opened.id)
+    try:
+        yield opened.id
+    finally:
+        current_context_id.reset(token)
+        await _release_everywhere(agent, opened.id)
+
+
+async def backward(
+    context_id: ContextId, roots: Sequence[torch.Tensor], retain_graph: bool = False
+) -> None:
+    """Run the backward pass from the scalar ``roots`` (on this worker) across every
+    worker involved; returns when it is done everywhere.  Gradients accumulate in the
+    context (see :func:`get_gradients`), not in ``.grad``.
+
+    Graphs are kept until the context is released (``retain_graph`` is accepted for
+    compatibility: a context may be backpropagated again until it closes).
+    """
+    agent = _agent()
+    context = contexts_of(agent).get(context_id)
+    for root in roots:
+        if root.numel() != 1:
+            raise ValueError(f"backward roots must be scalars, not of shape {tuple(root.shape)}")
+    await run_backward(agent, context, [(root, torch.ones_like(root)) for root in roots])
+
+
+def get_gradients(context_id: ContextId) -> dict[torch.Tensor, torch.Tensor]:
+    """This worker's gradients in the context: ``{leaf tensor: gradient}``."""
+    context = contexts_of(_agent()).get(context_id)
+    with context.lock:
+        return dict(context.grads)
+
+
+async def _release_everywhere(agent: RpcAgent, context_id: ContextId) -> None:
+    released = contexts_of(agent).release(context_id)
+    if released is None:
+        return
+    peers = sorted(released.peers - {agent.info.id})
+    calls = [agent.rpc_async(peer, _release_here, (context_id,)) for peer in peers]
+    for outcome in await asyncio.gather(*calls, return_exceptions=True):
+        if isinstance(outcome, Exception) and not isinstance(outcome, ConnectionError):
+            log.warning("releasing autograd context %d: %s", context_id, outcome)
+
+
+async def _release_here(context_id: ContextId) -> None:
+    """On a worker that took part: release here and on the workers it reached."""
+    await _release_everywhere(_agent(), context_id)
+
+
+def _agent() -> RpcAgent:
+    agent = current_agent()
+    if agent is None:
+        raise AgentStateError("RPC is not initialised: call `await asyncrpc.init_rpc(...)` first")
+    return agent
+
+
+async def _rref_backward(rref: RRef[torch.Tensor], context_id: ContextId) -> None:
+    """RRef.backward, on the owner: backward from the RRef's scalar value."""
+    await backward(context_id, [rref.local_value()])
+
+
+set_backward(_rref_backward)

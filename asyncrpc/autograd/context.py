@@ -1,0 +1,167 @@
+"""Distributed autograd contexts: what each worker records during a forward pass.
+
+Theory of operation
+-------------------
+A context is identified by an id made on the worker that opened it and known
+to every worker its RPCs reach.  While a context is current (a context
+variable), every tensor that requires grad and is pickled into an RPC message
+-- in arguments or in a result -- is recorded as a *send* (the tensor itself,
+with its graph, under a send id) and travels with ``(context id, send id,
+sender)``.  The receiver rebuilds it as a fresh leaf that requires grad,
+records it as a *recv*, and -- for a request -- runs the called function
+inside the same context, so nested calls record too.
+
+So a worker's part of the distributed graph is its local autograd graph, whose
+leaves are its parameters and its recvs, and whose entry points for gradients
+coming back are its sends.  The backward pass (:mod:`asyncrpc.autograd.engine`)
+walks it piece by piece.  Gradients accumulate in the context (keyed by leaf
+tensor), never in ``.grad``, so concurrent contexts do not mix.
+
+Each context also remembers the workers it exchanged tensors with; releasing
+a context releases it there too, transitively, so it is freed everywhere.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from asyncrpc.agent import RpcAgent, current_transfer
+from asyncrpc.errors import AgentStateError
+from asyncrpc.serde import reduce_tensor, register_reducer
+
+ContextId = int
+SendId = tuple[int, int]  # (sender rank, serial there)
+
+current_context_id: contextvars.ContextVar[ContextId | None] = contextvars.ContextVar(
+    "asyncrpc_autograd_context", default=None
+)
+
+
+@dataclass(eq=False)
+class Recv:
+    tensor: torch.Tensor
+    sender: int
+    send_id: SendId
+
+
+@dataclass(eq=False)
+class AutogradContext:
+    """One worker's part of one distributed backward pass."""
+
+    id: ContextId
+    sends: dict[SendId, torch.Tensor] = field(default_factory=dict)
+    recvs: dict[int, Recv] = field(default_factory=dict)  # id(tensor) -> Recv
+    peers: set[int] = field(default_factory=set)  # ranks we exchanged tensors with
+    grads: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor) -> None:
+        with self.lock:
+            known = self.grads.get(leaf)
+            self.grads[leaf] = grad if known is None else known + grad
+
+
+class AutogradContexts:
+    """The agent extension holding a worker's live contexts."""
+
+    def __init__(self, agent: RpcAgent) -> None:
+        self.agent = agent
+        self.rank = agent.info.id
+        self.live: dict[ContextId, AutogradContext] = {}
+        self._serials = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def new_context(self) -> AutogradContext:
+        context_id = (self.rank << 40) | next(self._serials)
+        return self.get_or_create(context_id)
+
+    def get_or_create(self, context_id: ContextId) -> AutogradContext:
+        with self._lock:
+            found = self.live.get(context_id)
+            if found is None:
+                found = self.live[context_id] = AutogradContext(context_id)
+            return found
+
+    def get(self, context_id: ContextId) -> AutogradContext:
+        found = self.live.get(context_id)
+        if found is None:
+            raise AgentStateError(
+                f"no distributed autograd context {context_id} on worker "
+                f"{self.agent.info.name!r} (released already, or never used here)"
+            )
+        return found
+
+    def release(self, context_id: ContextId) -> AutogradContext | None:
+        with self._lock:
+            return self.live.pop(context_id, None)
+
+    def new_send_id(self) -> SendId:
+        return (self.rank, next(self._serials))
+
+    # -- agent extension -----------------------------------------------------------
+
+    def peer_lost(self, rank: int) -> None:
+        pass  # a backward pass reaching a lost worker fails through its RPC
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.live.clear()
+
+    def debug_info(self) -> dict[str, Any]:
+        return {"autograd_contexts": len(self.live)}
+
+
+def contexts_of(agent: RpcAgent) -> AutogradContexts:
+    """The autograd contexts of ``agent`` (made on first use)."""
+    return agent.extension("autograd", AutogradContexts)
+
+
+# -- recording sends and recvs as tensors are (un)pickled ----------------------------
+
+
+def _reduce_tensor(tensor: torch.Tensor) -> Any:
+    context_id = current_context_id.get()
+    transfer = current_transfer()
+    default = reduce_tensor(tensor)
+    if not tensor.requires_grad or context_id is None or transfer is None:
+        return default
+    if default is NotImplemented:
+        return default
+    contexts = contexts_of(transfer.agent)
+    context = contexts.get_or_create(context_id)
+    send_id = contexts.new_send_id()
+    with context.lock:
+        context.sends[send_id] = tensor
+        context.peers.add(transfer.peer_rank)
+    rebuild, args = default
+    return _received, (context_id, send_id, contexts.rank, rebuild, args)
+
+
+def _received(
+    context_id: ContextId, send_id: SendId, sender: int, rebuild: Any, args: tuple[Any, ...]
+) -> torch.Tensor:
+    tensor: torch.Tensor = rebuild(*args)
+    transfer = current_transfer()
+    if transfer is None:  # unpickled outside a message: just the tensor
+        return tensor
+    if not tensor.is_leaf:  # pragma: no cover - load_tensor always builds a leaf
+        tensor = tensor.detach().requires_grad_()
+    context = contexts_of(transfer.agent).get_or_create(context_id)
+    with context.lock:
+        context.recvs[id(tensor)] = Recv(tensor, sender, send_id)
+        context.peers.add(sender)
+    if transfer.request:
+        transfer.call_vars.append((current_context_id, context_id))
+    return tensor
+
+
+register_reducer(torch.Tensor, _reduce_tensor)
+register_reducer(torch.nn.Parameter, _reduce_tensor)

@@ -1,0 +1,112 @@
+"""The distributed backward pass: a coroutine walk over every worker's local graph.
+
+Theory of operation
+-------------------
+A *piece* is one run of the local autograd engine on one worker: from some
+tensors (the roots, or the tensors this worker once sent) with their incoming
+gradients, to every leaf reachable from them.  It runs in the worker's thread
+pool, off the event loop, with ``torch.autograd.grad`` (the graph is retained:
+a worker may be reached again, by another branch of the pass).  Each leaf's
+gradient either accumulates in the context (parameters and other leaves) or,
+for a leaf that is a *recv*, becomes the gradient its sender needs.
+
+After a piece, the worker sends those gradients to each sender at once (one
+RPC per sender), which runs its own piece from the matching sends, and so on.
+A worker replies when everything downstream of it has replied, so the
+initiator's ``backward`` returns exactly when the whole distributed pass is
+done, and any failure anywhere (an exception, a dead worker) comes back up the
+chain to it.  This is FAST mode: gradients are not merged across branches
+before a piece runs; since backward is linear, the accumulated sums are the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from asyncrpc.agent import RpcAgent, current_agent
+from asyncrpc.autograd.context import AutogradContext, ContextId, SendId, contexts_of
+from asyncrpc.errors import AgentStateError
+
+Grads = list[tuple[SendId, torch.Tensor]]
+
+
+async def run_backward(
+    agent: RpcAgent,
+    context: AutogradContext,
+    seeds: list[tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """Run a piece from ``seeds`` here, then the pieces it feeds, on every worker."""
+    outgoing = await agent.invoke(_local_piece, (context, seeds))
+    calls = [
+        agent.rpc_async(
+            sender,
+            _backward_from_sends,
+            (context.id, grads),
+            label=f"distributed backward of context {context.id}",
+        )
+        for sender, grads in outgoing.items()
+    ]
+    await asyncio.gather(*calls)
+
+
+def _local_piece(
+    context: AutogradContext, seeds: list[tuple[torch.Tensor, torch.Tensor]]
+) -> dict[int, Grads]:
+    """In a pool thread: local backward from ``seeds``; returns what each sender gets."""
+    roots = [(t, g) for t, g in seeds if t.requires_grad]
+    leaves = _reachable_leaves([t for t, _ in roots])
+    if not leaves:
+        return {}
+    found = torch.autograd.grad(
+        [t for t, _ in roots],
+        leaves,
+        grad_outputs=[g for _, g in roots],
+        retain_graph=True,
+        allow_unused=True,
+    )
+    outgoing: dict[int, Grads] = defaultdict(list)
+    for leaf, grad in zip(leaves, found, strict=True):
+        if grad is None:
+            continue
+        recv = context.recvs.get(id(leaf))
+        if recv is not None and recv.tensor is leaf:
+            outgoing[recv.sender].append((recv.send_id, grad))
+        else:
+            context.accumulate(leaf, grad)
+    return dict(outgoing)
+
+
+def _reachable_leaves(roots: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every leaf tensor requiring grad that the graph of ``roots`` reaches."""
+    leaves: dict[int, torch.Tensor] = {}
+    seen: set[Any] = set()
+    stack = []
+    for root in roots:
+        if root.grad_fn is None:
+            leaves[id(root)] = root
+        else:
+            stack.append(root.grad_fn)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            leaves[id(variable)] = variable
+        stack.extend(child for child, _ in node.next_functions if child is not None)
+    return list(leaves.values())
+
+
+async def _backward_from_sends(context_id: ContextId, grads: Grads) -> None:
+    """On a sender: continue the pass from the tensors it sent, with their gradients."""
+    agent = current_agent()
+    if agent is None:  # pragma: no cover - always runs inside an agent
+        raise AgentStateError("distributed backward outside of a running agent")
+    context = contexts_of(agent).get(context_id)
+    seeds = [(context.sends[send_id], grad) for send_id, grad in grads]
+    await run_backward(agent, context, seeds)
