@@ -19,9 +19,9 @@ from asyncrpc.agent import (
     set_default_agent,
     validate_name,
 )
+from asyncrpc.autograd.context import contexts_of
 from asyncrpc.errors import AgentStateError, RPCTimeoutError
 from asyncrpc.rendezvous import Store, create_store, exchange, job_secret, listen_host_for
-from asyncrpc.autograd.context import contexts_of
 from asyncrpc.rref import context_for
 from asyncrpc.wire import DEFAULT_MAX_FRAME_SIZE
 

@@ -9,7 +9,7 @@ from asyncrpc.agent.agent import (
     set_default_agent,
 )
 from asyncrpc.agent.dispatch import async_execution, on_loop
-from asyncrpc.agent.transfer import Transfer, current_transfer
+from asyncrpc.agent.transfer import Transfer, current_transfer, propagate
 from asyncrpc.agent.worker import WorkerAddress, WorkerInfo, validate_name
 
 __all__ = (
@@ -22,6 +22,7 @@ __all__ = (
     "WorkerInfo",
     "async_execution",
     "on_loop",
+    "propagate",
     "current_agent",
     "current_transfer",
     "set_default_agent",

@@ -43,7 +43,7 @@ from typing import Any, Protocol, TypeVar
 from asyncrpc.agent.dispatch import describe, unpack_error
 from asyncrpc.agent.inbound import Inbound
 from asyncrpc.agent.polling import BusyPoller
-from asyncrpc.agent.transfer import Undo, dumps_for, loads_from, undo
+from asyncrpc.agent.transfer import Undo, carried, dumps_for, loads_from, undo
 from asyncrpc.agent.worker import WorkerAddress, WorkerInfo
 from asyncrpc.errors import (
     AgentStateError,
@@ -297,7 +297,11 @@ class RpcAgent:
             call.timer = self._loop.call_later(call.timeout, self._expire, call_id)
         self._pending[call_id] = call
         self._idle.clear()
-        request = OutgoingRequest(call_id, {"i": call_id, "f": name}, payload, buffers, reverts)
+        meta: dict[str, Any] = {"i": call_id, "f": name}
+        context_values = carried()
+        if context_values:
+            meta["c"] = context_values
+        request = OutgoingRequest(call_id, meta, payload, buffers, reverts)
         link = self._links.get(peer)
         if link is not None:
             self._send_request(link, request)
@@ -406,7 +410,7 @@ class RpcAgent:
         if call is None or call.peer != link.peer.name:
             return  # a late reply to a call that already timed out
         try:
-            value, _ = loads_from(self, link.peer.rank, False, frame.payload, frame.buffers)
+            value = loads_from(self, link.peer.rank, False, frame.payload, frame.buffers)
             if frame.kind == Kind.RESPONSE:
                 self._finish(call_id, result=value)
             else:

@@ -41,7 +41,7 @@ import torch
 
 from asyncrpc.agent.dispatch import Placement, describe, pack_error
 from asyncrpc.agent.pool import WorkerPool
-from asyncrpc.agent.transfer import Undo, dumps_for, loads_from, undo
+from asyncrpc.agent.transfer import Undo, apply_carried, dumps_for, loads_from, undo
 from asyncrpc.errors import RemoteError, RemoteProtocolError, SerializationError
 from asyncrpc.transport import Link
 from asyncrpc.wire import Frame, Kind
@@ -116,7 +116,7 @@ class Inbound:
             return
         call = IncomingCall(link, call_id, str(frame.meta.get("f", "?")))
         try:
-            (func, args, kwargs), transfer = loads_from(
+            func, args, kwargs = loads_from(
                 self._agent, link.peer.rank, True, frame.payload, frame.buffers
             )
         except Exception as exc:
@@ -130,8 +130,7 @@ class Inbound:
             )
             return
         context = self._context.copy()
-        for variable, value in transfer.call_vars:
-            context.run(variable.set, value)
+        apply_carried(context, frame.meta.get("c"))
         self._start(call, context, func, args, kwargs)
         self._apply_backpressure(link)
 

@@ -15,9 +15,9 @@ A reducer that changes state while pickling registers an ``undo`` callback: if
 serialisation of the whole message fails, the message never leaves and every
 undo runs, so no state change outlives a message that was not sent.
 
-Unpickling a request, a reducer may also ask for context variables to be set
-while the called function runs (``call_vars``): distributed autograd uses this
-to run a callee inside the caller's autograd context.
+Context variables registered with :func:`propagate` travel with every request
+(in the frame's header) and are set while the called function runs:
+distributed autograd uses this to run a callee inside the caller's context.
 """
 
 from __future__ import annotations
@@ -41,12 +41,35 @@ class Transfer:
     peer_rank: int
     request: bool  # a request (else a reply); requests and replies use different links
     undo: list[Callable[[], None]] = field(default_factory=list)  # see dumps_for
-    call_vars: list[tuple[contextvars.ContextVar[Any], Any]] = field(default_factory=list)
 
 
 _transfer: contextvars.ContextVar[Transfer | None] = contextvars.ContextVar(
     "asyncrpc_transfer", default=None
 )
+
+
+_propagated: dict[str, contextvars.ContextVar[Any]] = {}
+
+
+def propagate(key: str, variable: contextvars.ContextVar[Any]) -> None:
+    """Carry ``variable`` (when not None; a msgpack-able value) with every request."""
+    _propagated[key] = variable
+
+
+def carried() -> dict[str, Any] | None:
+    """The propagated variables set in the caller's context, for a request's header."""
+    found = {key: value for key, var in _propagated.items() if (value := var.get()) is not None}
+    return found or None
+
+
+def apply_carried(context: contextvars.Context, values: Any) -> None:
+    """Set, in a call's context, the variables a request carried."""
+    if not isinstance(values, dict):
+        return
+    for key, value in values.items():
+        variable = _propagated.get(key)
+        if variable is not None:
+            context.run(variable.set, value)
 
 
 def current_transfer() -> Transfer | None:
@@ -89,12 +112,10 @@ def loads_from(
     request: bool,
     payload: bytes | bytearray,
     buffers: Sequence[Any],
-) -> tuple[Any, Transfer]:
-    """``serde.loads`` for a message that came from ``peer_rank``; also returns the
-    transfer, whose ``call_vars`` the reducers may have filled."""
-    transfer = Transfer(agent, peer_rank, request)
-    token = _transfer.set(transfer)
+) -> Any:
+    """``serde.loads`` for a message that came from ``peer_rank``."""
+    token = _transfer.set(Transfer(agent, peer_rank, request))
     try:
-        return loads(payload, buffers), transfer
+        return loads(payload, buffers)
     finally:
         _transfer.reset(token)

@@ -7,9 +7,11 @@ to every worker its RPCs reach.  While a context is current (a context
 variable), every tensor that requires grad and is pickled into an RPC message
 -- in arguments or in a result -- is recorded as a *send* (the tensor itself,
 with its graph, under a send id) and travels with ``(context id, send id,
-sender)``.  The receiver rebuilds it as a fresh leaf that requires grad,
-records it as a *recv*, and -- for a request -- runs the called function
-inside the same context, so nested calls record too.
+sender)``.  The receiver rebuilds it as a fresh leaf that requires grad and
+records it as a *recv*.  The context id also travels with every request made
+while it is current (``agent.propagate``), so the callee runs inside the same
+context: nested calls record too, and so do results sent back by calls that
+carried no tensor (``to_here``, say).
 
 So a worker's part of the distributed graph is its local autograd graph, whose
 leaves are its parameters and its recvs, and whose entry points for gradients
@@ -31,7 +33,7 @@ from typing import Any
 
 import torch
 
-from asyncrpc.agent import RpcAgent, current_transfer
+from asyncrpc.agent import RpcAgent, current_transfer, propagate
 from asyncrpc.errors import AgentStateError
 from asyncrpc.serde import reduce_tensor, register_reducer
 
@@ -158,10 +160,9 @@ def _received(
     with context.lock:
         context.recvs[id(tensor)] = Recv(tensor, sender, send_id)
         context.peers.add(sender)
-    if transfer.request:
-        transfer.call_vars.append((current_context_id, context_id))
     return tensor
 
 
+propagate("autograd", current_context_id)
 register_reducer(torch.Tensor, _reduce_tensor)
 register_reducer(torch.nn.Parameter, _reduce_tensor)

@@ -25,12 +25,15 @@ def _build(
     return module_cls(*args, **kwargs).to(device)
 
 
-def _parameter_rrefs(module: RRef[torch.nn.Module], recurse: bool) -> list[RRef[torch.Tensor]]:
-    return [RRef(p) for p in module.local_value().parameters(recurse)]
+async def _parameter_rrefs(
+    module: RRef[torch.nn.Module], recurse: bool
+) -> list[RRef[torch.Tensor]]:
+    built = await module.to_here()  # on the owner: the module itself, once built
+    return [RRef(p) for p in built.parameters(recurse)]
 
 
-def _set_training(module: RRef[torch.nn.Module], mode: bool) -> None:
-    module.local_value().train(mode)
+async def _set_training(module: RRef[torch.nn.Module], mode: bool) -> None:
+    (await module.to_here()).train(mode)
 
 
 class RemoteModule:

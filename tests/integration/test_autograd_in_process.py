@@ -1,0 +1,298 @@
+"""Distributed autograd, DistributedOptimizer and RemoteModule across three agents on one
+loop: every gradient must equal the local computation's (float64, 1e-6)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import torch
+
+from asyncrpc import RRef, autograd, nn, optim, remote
+from asyncrpc.agent import AgentOptions, RpcAgent, set_default_agent
+from asyncrpc.autograd.context import contexts_of
+
+pytestmark = pytest.mark.timeout(60)
+SECRET = b"autograd test secret"
+Agents = tuple[RpcAgent, RpcAgent, RpcAgent]
+
+
+@pytest.fixture
+async def trio() -> AsyncIterator[Agents]:
+    options = AgentOptions(transports=("unix",), rpc_timeout=20)
+    agents = [RpcAgent(name, rank, SECRET, options) for rank, name in enumerate("abc")]
+    addresses = [await agent.start() for agent in agents]
+    for agent in agents:
+        agent.join(addresses)
+        contexts_of(agent)  # (init_rpc does this)
+    set_default_agent(agents[0])
+    yield agents[0], agents[1], agents[2]
+    set_default_agent(None)
+    for agent in agents:
+        await agent.shutdown(graceful=False)
+
+
+def weights(*shape: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=generator, dtype=torch.float64).requires_grad_()
+
+
+W_B = weights(4, 3, seed=1)  # lives on b
+W_C = weights(3, 2, seed=2)  # lives on c
+
+
+def stage_b(h: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(h @ W_B)
+
+
+def stage_c(h: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(h @ W_C)
+
+
+async def stage_b_calls_c(h: torch.Tensor) -> torch.Tensor:
+    """A callee that itself calls another worker inside the forward pass."""
+    from asyncrpc.agent import current_agent
+
+    agent = current_agent()
+    assert agent is not None
+    inner = await agent.rpc_async("c", stage_c, (stage_b(h),))
+    return inner * 2 + h[:, :2]
+
+
+def local_grads(loss_fn: Callable[[], torch.Tensor], params: list[torch.Tensor]) -> list[Any]:
+    return list(torch.autograd.grad(loss_fn(), params))
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, atol=1e-6, rtol=0)
+
+
+def grads_on(agent: RpcAgent, context_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    return dict(contexts_of(agent).get(context_id).grads)
+
+
+def contexts_everywhere(agents: Agents) -> list[int]:
+    return [a.debug_info()["autograd_contexts"] for a in agents]
+
+
+async def test_two_stage_chain(trio: Agents) -> None:
+    a, b, _ = trio
+    w_a, x = weights(5, 4, seed=3), weights(2, 5, seed=4).detach()
+    async with autograd.context() as ctx:
+        h = torch.relu(x @ w_a)
+        y = await a.rpc_async("b", stage_b, (h,))
+        loss = (y * y).sum() + h.sum()
+        await autograd.backward(ctx, [loss])
+        got_a, got_b = autograd.get_gradients(ctx)[w_a], grads_on(b, ctx)[W_B]
+        assert contexts_everywhere(trio)[:2] == [1, 1]
+
+    def local() -> torch.Tensor:
+        h = torch.relu(x @ w_a)
+        y = stage_b(h)
+        return (y * y).sum() + h.sum()
+
+    want_a, want_b = local_grads(local, [w_a, W_B])
+    assert close(got_a, want_a) and close(got_b, want_b)
+    assert w_a.grad is None and W_B.grad is None  # gradients live in the context
+    assert contexts_everywhere(trio) == [0, 0, 0]
+
+
+async def test_nested_calls_across_three_workers(trio: Agents) -> None:
+    a, b, c = trio
+    w_a, x = weights(5, 4, seed=5), weights(3, 5, seed=6).detach()
+    async with autograd.context() as ctx:
+        h = x @ w_a
+        y = await a.rpc_async("b", stage_b_calls_c, (h,))
+        await autograd.backward(ctx, [y.pow(2).sum()])
+        got = [autograd.get_gradients(ctx)[w_a], grads_on(b, ctx)[W_B], grads_on(c, ctx)[W_C]]
+
+    def local() -> torch.Tensor:
+        h = x @ w_a
+        return (stage_c(stage_b(h)) * 2 + h[:, :2]).pow(2).sum()
+
+    want = local_grads(local, [w_a, W_B, W_C])
+    assert all(close(g, w) for g, w in zip(got, want, strict=True))
+    assert contexts_everywhere(trio) == [0, 0, 0]  # released on c too, through b
+
+
+async def test_tensor_used_twice_diamond(trio: Agents) -> None:
+    a, b, c = trio
+    w_a, x = weights(5, 4, seed=7), weights(2, 5, seed=8).detach()
+    async with autograd.context() as ctx:
+        h = torch.tanh(x @ w_a)
+        left, right = await asyncio.gather(
+            a.rpc_async("b", stage_b, (h,)), a.rpc_async("b", stage_b, (h * 3,))
+        )
+        via_c = await a.rpc_async("c", stage_c, (left,))
+        await autograd.backward(ctx, [(via_c.sum() + (left * right).sum())])
+        got = [autograd.get_gradients(ctx)[w_a], grads_on(b, ctx)[W_B], grads_on(c, ctx)[W_C]]
+
+    def local() -> torch.Tensor:
+        h = torch.tanh(x @ w_a)
+        left, right = stage_b(h), stage_b(h * 3)
+        return stage_c(left).sum() + (left * right).sum()
+
+    want = local_grads(local, [w_a, W_B, W_C])
+    assert all(close(g, w) for g, w in zip(got, want, strict=True))
+
+
+class Stage:
+    def __init__(self, seed: int) -> None:
+        self.w = weights(4, 3, seed=seed)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h @ self.w)
+
+    def weight(self) -> torch.Tensor:
+        return self.w
+
+
+async def test_results_of_to_here_and_proxies(trio: Agents) -> None:
+    _, b, _ = trio
+    stage = remote("b", Stage, (9,))
+    w_a, x = weights(5, 4, seed=10), weights(2, 5, seed=11).detach()
+    async with autograd.context() as ctx:
+        h = x @ w_a
+        y = await stage.rpc_async().forward(h)
+        remote_y = stage.remote().forward(h * 2)
+        y2 = await remote_y.to_here()
+        w_copy = await stage.rpc_async().weight()  # a parameter itself, as a result
+        await autograd.backward(ctx, [(y * y2).sum() + w_copy.sum()])
+        got = [autograd.get_gradients(ctx)[w_a]]
+        owner_w = (await stage.to_here()).w  # (a copy; compare with the owner's grads)
+        got.append(next(g for t, g in grads_on(b, ctx).items() if t.shape == owner_w.shape))
+
+    def local() -> torch.Tensor:
+        h = x @ w_a
+        return (torch.tanh(h @ owner_w) * torch.tanh(h * 2 @ owner_w)).sum() + owner_w.sum()
+
+    owner_w.requires_grad_()
+    want = local_grads(local, [w_a, owner_w])
+    assert all(close(g, w) for g, w in zip(got, want, strict=True))
+
+
+class Server:
+    def __init__(self) -> None:
+        self.w = weights(4, 1, seed=12)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.w
+
+    def parameter(self) -> RRef[torch.Tensor]:
+        return RRef(self.w)
+
+
+async def test_concurrent_contexts_against_one_server(trio: Agents) -> None:
+    b = trio[1]
+    server = remote("b", Server)
+    w = (await server.to_here()).w
+    xs = {seed: weights(3, 4, seed=seed).detach() * seed for seed in range(1, 5)}
+    contexts: dict[int, int] = {}
+
+    async def one(seed: int) -> None:
+        async with autograd.context() as ctx:
+            out = await server.rpc_async().forward(xs[seed])
+            await autograd.backward(ctx, [out.pow(2).sum()])
+            contexts[seed] = ctx
+            got = next(iter(grads_on(b, ctx).values()))
+            want = torch.autograd.grad((xs[seed] @ w).pow(2).sum(), [w])[0]
+            assert close(got, want), seed
+
+    await asyncio.gather(*(one(seed) for seed in xs))
+    assert len(set(contexts.values())) == 4
+    assert contexts_everywhere(trio) == [0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "options"),
+    [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), (torch.optim.Adam, {"lr": 0.01})],
+)
+async def test_optimizer_step_equals_local_step(
+    trio: Agents, optimizer: type[torch.optim.Optimizer], options: dict[str, Any]
+) -> None:
+    a = trio[0]
+    server = remote("b", Server)
+    local_w = weights(4, 1, seed=12)  # the same start as the server's
+    mine = weights(5, 4, seed=13)
+    mine_copy = mine.detach().clone().requires_grad_()
+    dist_opt = optim.DistributedOptimizer(
+        optimizer, [await server.rpc_async().parameter(), RRef(mine)], **options
+    )
+    local_opt = optimizer([local_w, mine_copy], **options)
+    x = weights(3, 5, seed=14).detach()
+    for _ in range(3):
+        async with autograd.context() as ctx:
+            out = await server.rpc_async().forward(torch.tanh(x @ mine))
+            await autograd.backward(ctx, [out.pow(2).sum()])
+            await dist_opt.step(ctx)
+        local_opt.zero_grad()
+        (torch.tanh(x @ mine_copy) @ local_w).pow(2).sum().backward()
+        local_opt.step()
+    remote_w = (await server.to_here()).w
+    assert close(remote_w, local_w) and close(mine, mine_copy)
+    assert a.debug_info()["autograd_contexts"] == 0
+
+
+def failing_stage(h: torch.Tensor) -> torch.Tensor:
+    return BadBackward.apply(h)
+
+
+class BadBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor) -> torch.Tensor:
+        return h * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("backward exploded on purpose")
+
+
+async def test_failure_in_backward_raises_and_contexts_are_released(trio: Agents) -> None:
+    a = trio[0]
+    w_a = weights(3, 3, seed=15)
+    with pytest.raises(RuntimeError, match="exploded") as caught:
+        async with autograd.context() as ctx:
+            y = await a.rpc_async("b", failing_stage, (w_a * 1,))
+            await autograd.backward(ctx, [y.sum()])
+    assert caught.value.remote_worker == "b"  # type: ignore[attr-defined]
+    assert contexts_everywhere(trio) == [0, 0, 0]
+
+
+async def test_remote_module_embedding_bag_trains(trio: Agents) -> None:
+    torch.manual_seed(0)
+    embedding = nn.RemoteModule("b/cpu", torch.nn.EmbeddingBag, (50, 8), {"mode": "sum"})
+    head = torch.nn.Linear(8, 2)
+    params = await embedding.remote_parameters()
+    params += [RRef(p) for p in head.parameters()]
+    opt = optim.DistributedOptimizer(torch.optim.Adam, params, lr=0.05)
+    generator = torch.Generator().manual_seed(1)
+    indices = torch.randint(0, 50, (64, 4), generator=generator)
+    labels = ((indices < 25).sum(1) >= 2).long()  # which half most of a bag's items are from
+    losses = []
+    await embedding.train()
+    for _ in range(40):
+        async with autograd.context() as ctx:
+            features = await embedding.forward_async(indices)
+            loss = torch.nn.functional.cross_entropy(head(features), labels)
+            await autograd.backward(ctx, [loss])
+            await opt.step(ctx)
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert embedding.get_module_rref().owner_name() == "b"
+
+
+async def test_rref_backward_runs_on_the_owner(trio: Agents) -> None:
+    w_a = weights(2, 4, seed=16)
+    async with autograd.context() as ctx:
+        loss_rref = remote("b", scalar_loss, (w_a * 1,))
+        await loss_rref.to_here()  # made inside the context, on b
+        await loss_rref.backward(ctx)
+        got = autograd.get_gradients(ctx)[w_a]
+    want = torch.autograd.grad(scalar_loss(w_a * 1), [w_a])[0]
+    assert close(got, want)
+
+
+def scalar_loss(h: torch.Tensor) -> torch.Tensor:
+    return (h @ W_B).pow(2).sum()
