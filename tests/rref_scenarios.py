@@ -211,3 +211,57 @@ async def held_at_shutdown(cfg: Config) -> dict[str, Any]:
     left = agent.closing_debug_info  # after both barriers, just before closing
     seen["left"] = {"owner_rrefs": left["owner_rrefs"], "user_rrefs": left["user_rrefs"]}
     return seen
+
+
+# -- distributed autograd across processes ---------------------------------------------
+
+
+class LinearServer:
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def parameter_rrefs(self) -> list[asyncrpc.RRef[torch.Tensor]]:
+        return [asyncrpc.RRef(p) for p in self.model.parameters()]
+
+
+def contexts_here() -> int:
+    return int(asyncrpc.get_debug_info()["autograd_contexts"])
+
+
+async def fit(server: asyncrpc.RRef[LinearServer], steps: int) -> list[float]:
+    """A trainer: its own context per step against the shared server."""
+    generator = torch.Generator().manual_seed(asyncrpc.get_worker_info().id)
+    true_w = torch.arange(8, dtype=torch.float32)
+    params = await server.rpc_async().parameter_rrefs()
+    opt = asyncrpc.optim.DistributedOptimizer(torch.optim.SGD, params, lr=0.01)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(32, 8, generator=generator)
+        async with asyncrpc.autograd.context() as ctx:
+            loss = ((await server.rpc_async().forward(x)).squeeze(1) - x @ true_w).pow(2).mean()
+            await asyncrpc.autograd.backward(ctx, [loss])
+            await opt.step(ctx)
+        losses.append(loss.item())
+    return losses
+
+
+async def trainers_share_a_server(cfg: Config) -> dict[str, Any]:
+    """w0 makes a server; w1..w3 train it at once, each with its own contexts."""
+    await cfg.join(rpc_timeout=60)
+    seen: dict[str, Any] = {}
+    if cfg.rank == 0:
+        server = asyncrpc.remote("w0", LinearServer)
+        trainers = [f"w{r}" for r in range(1, cfg.world)]
+        losses = await asyncio.gather(
+            *(asyncrpc.rpc_async(t, fit, args=(server, 40)) for t in trainers)
+        )
+        seen["losses"] = losses
+        seen["contexts"] = [
+            await asyncrpc.rpc_async(f"w{r}", contexts_here) for r in range(cfg.world)
+        ]
+    await asyncrpc.shutdown()
+    return seen

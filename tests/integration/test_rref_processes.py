@@ -48,3 +48,10 @@ def test_shutdown_releases_every_handle() -> None:
     assert seen["before"] == {"owner_rrefs": 50, "user_rrefs": 1}
     for worker in workers:  # (each shutdown is bounded: over 20 s it raises, the job fails)
         assert worker.result["left"] == ZERO, worker.rank
+
+
+def test_trainers_share_a_server_with_distributed_autograd() -> None:
+    seen = run_job("rref_scenarios.trainers_share_a_server", world=4)[0].result
+    for losses in seen["losses"]:
+        assert losses[-1] < 0.2 * losses[0], losses
+    assert seen["contexts"] == [0, 0, 0, 0]
