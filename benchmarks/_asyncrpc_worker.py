@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import _remote_fns as fns
@@ -20,6 +20,7 @@ from _common import (
     Results,
     WorkerArgs,
     check_echo,
+    check_value,
     config,
     make_tensor,
     ns_to_us,
@@ -40,17 +41,41 @@ async def call(func: Any, *args: Any) -> Any:
     return await asyncrpc.rpc_async(CALLEE, func, args=args)
 
 
-async def latency_us(cfg: Config, func: Any) -> Results:
-    """Mean per-call time of sequential awaited calls, for each of ``cfg.batches`` batches."""
+async def sequential_us(cfg: Config, once: Callable[[], Awaitable[Any]]) -> Results:
+    """Mean time of ``await once()`` run back to back, for each of ``cfg.batches`` batches."""
     for _ in range(cfg.warmup_calls):
-        await call(func)
+        await once()
     per_call = []
     for _ in range(cfg.batches):
         start = time.perf_counter_ns()
         for _ in range(cfg.calls_per_batch):
-            await call(func)
+            await once()
         per_call.append(ns_to_us(time.perf_counter_ns() - start, cfg.calls_per_batch))
     return summary(per_call)
+
+
+async def latency_us(cfg: Config, func: Any) -> Results:
+    """Mean per-call time of sequential awaited calls of ``func``."""
+    return await sequential_us(cfg, lambda: call(func))
+
+
+async def remote_to_here() -> int:
+    """``remote()`` then ``to_here()``; the RRef dies on return, so a delete follows."""
+    rref = asyncrpc.remote(CALLEE, fns.add, args=(1, 2))
+    value: int = await rref.to_here()
+    return value
+
+
+async def remote_to_here_us(cfg: Config) -> Results:
+    check_value(3, await remote_to_here())
+    return await sequential_us(cfg, remote_to_here)
+
+
+async def rref_method_us(cfg: Config) -> Results:
+    """Sequential ``rref.rpc_async().get()`` on one RRef of a ``Box`` made up front."""
+    rref = asyncrpc.remote(CALLEE, fns.Box)
+    check_value(7, await rref.rpc_async().get())
+    return await sequential_us(cfg, lambda: rref.rpc_async().get())
 
 
 async def run_window(cfg: Config, calls: int) -> float:
@@ -129,6 +154,8 @@ async def drive(cfg: Config) -> Results:
     results: Results = {
         "noop_us": await bounded(cfg, latency_us(cfg, fns.noop)),
         "coroutine_noop_us": await bounded(cfg, latency_us(cfg, fns.coro_noop)),
+        "remote_to_here_us": await bounded(cfg, remote_to_here_us(cfg)),
+        "rref_method_us": await bounded(cfg, rref_method_us(cfg)),
         "pipelined_calls_per_s": await bounded(cfg, pipelined_rate(cfg)),
         "memory": await bounded(cfg, memory_probe(cfg)),
         "echo_ms": {},

@@ -119,6 +119,12 @@ def check_echo(sent: torch.Tensor, received: object) -> None:
         raise AssertionError("echo returned a different value than it was sent")
 
 
+def check_value(expected: object, received: object) -> None:
+    """Fail loudly if a call brought back something other than ``expected``."""
+    if received != expected:
+        raise AssertionError(f"expected {expected!r} back, got {received!r}")
+
+
 def ns_to_us(elapsed_ns: int, calls: int) -> float:
     return elapsed_ns / calls / 1e3
 

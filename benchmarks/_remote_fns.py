@@ -31,6 +31,21 @@ def completed_future() -> torch.futures.Future[None]:
     return future
 
 
+def add(a: int, b: int) -> int:
+    """A tiny function with a small result: what ``remote()`` keeps on the callee."""
+    return a + b
+
+
+class Box:
+    """A tiny object held on the callee through an RRef; ``get`` is a plain method."""
+
+    def __init__(self, value: int = 7) -> None:
+        self.value = value
+
+    def get(self) -> int:
+        return self.value
+
+
 def echo(x: torch.Tensor) -> torch.Tensor:
     """Send the argument straight back."""
     return x

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import _remote_fns as fns
@@ -19,6 +20,7 @@ from _common import (
     Config,
     Results,
     check_echo,
+    check_value,
     config,
     make_tensor,
     ns_to_us,
@@ -30,17 +32,41 @@ from _common import (
 from torch.distributed import rpc
 
 
-def latency_us(cfg: Config, func: Any) -> Results:
-    """Mean per-call time of sequential ``rpc_sync`` calls, for each of ``cfg.batches`` batches."""
+def sequential_us(cfg: Config, once: Callable[[], Any]) -> Results:
+    """Mean time of ``once()`` run back to back, for each of ``cfg.batches`` batches."""
     for _ in range(cfg.warmup_calls):
-        rpc.rpc_sync(CALLEE, func)
+        once()
     per_call = []
     for _ in range(cfg.batches):
         start = time.perf_counter_ns()
         for _ in range(cfg.calls_per_batch):
-            rpc.rpc_sync(CALLEE, func)
+            once()
         per_call.append(ns_to_us(time.perf_counter_ns() - start, cfg.calls_per_batch))
     return summary(per_call)
+
+
+def latency_us(cfg: Config, func: Any) -> Results:
+    """Mean per-call time of sequential ``rpc_sync`` calls of ``func``."""
+    return sequential_us(cfg, lambda: rpc.rpc_sync(CALLEE, func))
+
+
+def remote_to_here() -> int:
+    """``rpc.remote`` then ``to_here()``; the RRef dies on return, so a delete follows."""
+    rref = rpc.remote(CALLEE, fns.add, args=(1, 2))
+    value: int = rref.to_here()
+    return value
+
+
+def remote_to_here_us(cfg: Config) -> Results:
+    check_value(3, remote_to_here())
+    return sequential_us(cfg, remote_to_here)
+
+
+def rref_method_us(cfg: Config) -> Results:
+    """Sequential ``rref.rpc_async().get().wait()`` on one RRef of a ``Box`` made up front."""
+    rref = rpc.remote(CALLEE, fns.Box)
+    check_value(7, rref.rpc_async().get().wait())
+    return sequential_us(cfg, lambda: rref.rpc_async().get().wait())
 
 
 def run_window(cfg: Config, calls: int) -> float:
@@ -108,6 +134,8 @@ def drive(cfg: Config) -> Results:
     results: Results = {
         "noop_us": latency_us(cfg, fns.noop),
         "async_execution_noop_us": latency_us(cfg, fns.completed_future),
+        "remote_to_here_us": remote_to_here_us(cfg),
+        "rref_method_us": rref_method_us(cfg),
         "pipelined_calls_per_s": pipelined_rate(cfg),
         "memory": memory_probe(cfg),
         "echo_ms": {},

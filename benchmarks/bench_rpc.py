@@ -15,11 +15,20 @@ first; a row reports the median over rounds of each round's median.
    runs on the callee's event loop.  torch cannot run coroutines, so its number
    is the faster of its plain no-op and an ``@rpc.functions.async_execution``
    function returning an already-completed Future (the row says which).
-3. pipelined no-op: ``noop()`` with 256 calls in flight at all times; calls per
+3. remote + to_here round trip: ``rref = remote(w1, add, args=(1, 2))`` then
+   ``await rref.to_here()`` (torch: ``rpc.remote`` then the blocking
+   ``to_here()``), sequentially, timed like row 1.  The RRef is dropped after
+   each iteration, so its cost includes both frameworks' delete message to the
+   owner (sent in the background, but it shares the link and the callee).
+4. RRef proxy method call round trip: one ``rref = remote(w1, Box)`` made up
+   front, then ``await rref.rpc_async().get()`` (torch:
+   ``rref.rpc_async().get().wait()``), a plain method returning a small int,
+   sequentially, timed like row 1.
+5. pipelined no-op: ``noop()`` with 256 calls in flight at all times; calls per
    second over 20,000 calls.
-4. tensor echo: ``echo(x)`` returns its float32 argument of 4, 64 and 400 MB
+6. tensor echo: ``echo(x)`` returns its float32 argument of 4, 64 and 400 MB
    (MB = 2**20 bytes); round-trip time after a warm-up whose result is checked.
-5. memory: growth of the callee's peak RSS (``ru_maxrss``) while it receives
+7. memory: growth of the callee's peak RSS (``ru_maxrss``) while it receives
    the largest tensor, before any other large transfer in that process pair
    (the worst round counts).  The target is about the tensor's own size: at
    most 1.1 times it, judged from 64 MB up.
@@ -31,9 +40,9 @@ for latencies, asyncrpc rate / torch rate for throughput; ``target`` is the
 ratio asyncrpc must reach and ``met`` says whether it did.  For the memory row
 the ratio is asyncrpc's growth divided by the tensor size.  Notes under the
 table name torch's coroutine stand-in, the callee's growth over a whole echo,
-and calls or shared-memory segments asyncrpc still held at the end.  Small
-machines are noisy (the load average is printed): compare runs on the same
-machine, and look at the per-sample numbers that ``--json`` writes.  On small
+and calls, shared-memory segments or RRefs asyncrpc still held at the end.
+Small machines are noisy (the load average is printed): compare runs on the
+same machine, and look at the per-sample numbers that ``--json`` writes.  On small
 VMs, waking a process on another vCPU can cost more than the RPC itself, and
 where the OS places the two workers varies from run to run; ``--pin same`` or
 ``--pin split`` fixes the placement (one shared CPU, or one CPU each).
@@ -204,6 +213,8 @@ def combine(side: str, rounds: list[Results]) -> Results:
     """One number per workload: medians over rounds; memory growth: the worst round."""
     combined: Results = {
         "noop_us": round_median(rounds, "noop_us"),
+        "remote_to_here_us": round_median(rounds, "remote_to_here_us"),
+        "rref_method_us": round_median(rounds, "rref_method_us"),
         "pipelined_calls_per_s": round_median(rounds, "pipelined_calls_per_s"),
         "echo_ms": {mb: round_median(rounds, "echo_ms", mb) for mb in rounds[0]["echo_ms"]},
         "memory": {key: max(r["memory"][key] for r in rounds) for key in rounds[0]["memory"]},
@@ -302,6 +313,20 @@ def build_rows(cfg: Config, torch_r: Results | None, arpc_r: Results | None) -> 
             target=5.0,
         ),
         speed_row(
+            "remote + to_here round trip",
+            pick(torch_r, "remote_to_here_us"),
+            pick(arpc_r, "remote_to_here_us"),
+            unit="µs",
+            target=2.5,
+        ),
+        speed_row(
+            "RRef proxy method call round trip",
+            pick(torch_r, "rref_method_us"),
+            pick(arpc_r, "rref_method_us"),
+            unit="µs",
+            target=2.5,
+        ),
+        speed_row(
             f"pipelined no-op, {cfg.window} in flight",
             pick(torch_r, "pipelined_calls_per_s"),
             pick(arpc_r, "pipelined_calls_per_s"),
@@ -363,6 +388,7 @@ def notes(combined: dict[str, Results | None], raw: dict[str, list[Results]]) ->
             "shared-memory segments in use": (info.get("shared_memory") or {}).get(
                 "segments_in_use"
             ),
+            "RRefs still held": info.get("user_rrefs"),
         }
         for what, count in leftovers.items():
             if count:

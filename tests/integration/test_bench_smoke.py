@@ -22,7 +22,14 @@ def test_bench_quick_mode_runs_both_frameworks() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    for row in ("no-op round trip", "pipelined no-op", "tensor echo 4 MB"):
+    rows = (
+        "no-op round trip",
+        "remote + to_here round trip",
+        "RRef proxy method call round trip",
+        "pipelined no-op",
+        "tensor echo 4 MB",
+    )
+    for row in rows:
         line = next(x for x in done.stdout.splitlines() if row in x)
         cells = [c.strip() for c in line.split("|")]
         assert cells[2] != "—" and cells[3] != "—", line  # both frameworks measured
