@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import _remote_fns as fns
+import torch
 import uvloop
 from _common import (
     CALLEE,
@@ -20,8 +21,11 @@ from _common import (
     Results,
     WorkerArgs,
     check_echo,
+    check_trained,
     check_value,
     config,
+    make_batch,
+    make_stage1,
     make_tensor,
     ns_to_us,
     parse_worker_args,
@@ -29,6 +33,7 @@ from _common import (
     summary,
     write_results,
 )
+from torch.nn.functional import cross_entropy
 
 import asyncrpc
 
@@ -41,16 +46,24 @@ async def call(func: Any, *args: Any) -> Any:
     return await asyncrpc.rpc_async(CALLEE, func, args=args)
 
 
-async def sequential_us(cfg: Config, once: Callable[[], Awaitable[Any]]) -> Results:
-    """Mean time of ``await once()`` run back to back, for each of ``cfg.batches`` batches."""
-    for _ in range(cfg.warmup_calls):
+async def sequential_us(
+    cfg: Config,
+    once: Callable[[], Awaitable[Any]],
+    counts: tuple[int, int, int] | None = None,
+) -> Results:
+    """Mean time of ``await once()`` run back to back, per batch, after a warm-up.
+
+    ``counts`` is (warm-up, batches, calls per batch); by default ``cfg.call_counts``.
+    """
+    warmup, batches, per_batch = counts or cfg.call_counts
+    for _ in range(warmup):
         await once()
     per_call = []
-    for _ in range(cfg.batches):
+    for _ in range(batches):
         start = time.perf_counter_ns()
-        for _ in range(cfg.calls_per_batch):
+        for _ in range(per_batch):
             await once()
-        per_call.append(ns_to_us(time.perf_counter_ns() - start, cfg.calls_per_batch))
+        per_call.append(ns_to_us(time.perf_counter_ns() - start, per_batch))
     return summary(per_call)
 
 
@@ -76,6 +89,30 @@ async def rref_method_us(cfg: Config) -> Results:
     rref = asyncrpc.remote(CALLEE, fns.Box)
     check_value(7, await rref.rpc_async().get())
     return await sequential_us(cfg, lambda: rref.rpc_async().get())
+
+
+async def model_parallel_step_us(cfg: Config) -> Results:
+    """Training steps of an MLP split in two: stage 1 here, stage 2 on the callee."""
+    stage1 = make_stage1()
+    stage2 = asyncrpc.remote(CALLEE, fns.Stage2)
+    params = [asyncrpc.RRef(p) for p in stage1.parameters()]
+    params += await stage2.rpc_async().parameter_rrefs("asyncrpc")
+    opt = asyncrpc.optim.DistributedOptimizer(torch.optim.SGD, params, lr=0.01)
+    x, y = make_batch()
+
+    async def step() -> torch.Tensor:
+        async with asyncrpc.autograd.context() as ctx:
+            h = stage1(x)
+            out = await stage2.rpc_async().forward(h)
+            loss = cross_entropy(out, y)
+            await asyncrpc.autograd.backward(ctx, [loss])
+            await opt.step(ctx)
+        return loss.detach()
+
+    first = await step()
+    result = await sequential_us(cfg, step, cfg.step_counts)
+    check_trained(first, await step())
+    return result
 
 
 async def run_window(cfg: Config, calls: int) -> float:
@@ -156,6 +193,7 @@ async def drive(cfg: Config) -> Results:
         "coroutine_noop_us": await bounded(cfg, latency_us(cfg, fns.coro_noop)),
         "remote_to_here_us": await bounded(cfg, remote_to_here_us(cfg)),
         "rref_method_us": await bounded(cfg, rref_method_us(cfg)),
+        "model_parallel_step_us": await bounded(cfg, model_parallel_step_us(cfg)),
         "pipelined_calls_per_s": await bounded(cfg, pipelined_rate(cfg)),
         "memory": await bounded(cfg, memory_probe(cfg)),
         "echo_ms": {},

@@ -17,6 +17,8 @@ MB = 1 << 20
 CALLER = "w0"
 CALLEE = "w1"
 Results = dict[str, Any]
+BATCH, FEATURES, CLASSES = 32, 256, 10
+"""Shape of the model-parallel step: a float32 batch of BATCH x FEATURES, CLASSES labels."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +34,24 @@ class Config:
     pipelined_repeats: int
     sizes_mb: tuple[int, ...]
     echo_repeats: tuple[int, ...]
+    step_warmup: int
+    step_batches: int
+    steps_per_batch: int
     rpc_timeout: float
     step_timeout: float
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def call_counts(self) -> tuple[int, int, int]:
+        """Warm-up calls, batches and calls per batch of the sequential call rows."""
+        return self.warmup_calls, self.batches, self.calls_per_batch
+
+    @property
+    def step_counts(self) -> tuple[int, int, int]:
+        """Warm-up steps, batches and steps per batch of the model-parallel step row."""
+        return self.step_warmup, self.step_batches, self.steps_per_batch
 
 
 FULL = Config(
@@ -49,6 +64,9 @@ FULL = Config(
     pipelined_repeats=3,
     sizes_mb=(4, 64, 400),
     echo_repeats=(20, 10, 5),
+    step_warmup=50,
+    step_batches=5,
+    steps_per_batch=100,
     rpc_timeout=120.0,
     step_timeout=150.0,
 )
@@ -63,6 +81,9 @@ QUICK = Config(
     pipelined_repeats=1,
     sizes_mb=(4,),
     echo_repeats=(5,),
+    step_warmup=20,
+    step_batches=3,
+    steps_per_batch=30,
     rpc_timeout=30.0,
     step_timeout=30.0,
 )
@@ -123,6 +144,26 @@ def check_value(expected: object, received: object) -> None:
     """Fail loudly if a call brought back something other than ``expected``."""
     if received != expected:
         raise AssertionError(f"expected {expected!r} back, got {received!r}")
+
+
+def make_stage1() -> torch.nn.Module:
+    """Stage 1 of the model-parallel MLP, kept on the driver (stage 2 is ``Stage2``)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, FEATURES), torch.nn.ReLU())
+
+
+def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed batch every model-parallel step trains on: inputs and class labels."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(BATCH, FEATURES, generator=generator)
+    labels = torch.randint(0, CLASSES, (BATCH,), generator=generator)
+    return inputs, labels
+
+
+def check_trained(first_loss: torch.Tensor, last_loss: torch.Tensor) -> None:
+    """Fail loudly if training steps on one fixed batch did not lower its loss."""
+    if not float(last_loss) < float(first_loss):
+        raise AssertionError(f"loss did not fall: {float(first_loss)} -> {float(last_loss)}")
 
 
 def ns_to_us(elapsed_ns: int, calls: int) -> float:

@@ -8,8 +8,10 @@ every worker runs a script from this directory, which puts it on ``sys.path``.
 from __future__ import annotations
 
 import resource
+from typing import Any
 
 import torch
+from _common import CLASSES, FEATURES
 from torch.distributed import rpc
 
 
@@ -44,6 +46,31 @@ class Box:
 
     def get(self) -> int:
         return self.value
+
+
+class Stage2(torch.nn.Module):
+    """Stage 2 of the model-parallel MLP, made on the callee with ``remote()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(FEATURES, FEATURES),
+            torch.nn.ReLU(),
+            torch.nn.Linear(FEATURES, CLASSES),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result: torch.Tensor = self.net(x)
+        return result
+
+    def parameter_rrefs(self, framework: str) -> list[Any]:
+        """RRefs of this stage's parameters, of ``framework``'s RRef class."""
+        if framework == "asyncrpc":
+            import asyncrpc
+
+            return [asyncrpc.RRef(p) for p in self.parameters()]
+        return [rpc.RRef(p) for p in self.parameters()]
 
 
 def echo(x: torch.Tensor) -> torch.Tensor:

@@ -14,14 +14,18 @@ from typing import Any
 
 import _remote_fns as fns
 import torch
+import torch.distributed.autograd as dist_autograd
 from _common import (
     CALLEE,
     MB,
     Config,
     Results,
     check_echo,
+    check_trained,
     check_value,
     config,
+    make_batch,
+    make_stage1,
     make_tensor,
     ns_to_us,
     parse_worker_args,
@@ -30,18 +34,26 @@ from _common import (
     write_results,
 )
 from torch.distributed import rpc
+from torch.distributed.optim import DistributedOptimizer
+from torch.nn.functional import cross_entropy
 
 
-def sequential_us(cfg: Config, once: Callable[[], Any]) -> Results:
-    """Mean time of ``once()`` run back to back, for each of ``cfg.batches`` batches."""
-    for _ in range(cfg.warmup_calls):
+def sequential_us(
+    cfg: Config, once: Callable[[], Any], counts: tuple[int, int, int] | None = None
+) -> Results:
+    """Mean time of ``once()`` run back to back, per batch, after a warm-up.
+
+    ``counts`` is (warm-up, batches, calls per batch); by default ``cfg.call_counts``.
+    """
+    warmup, batches, per_batch = counts or cfg.call_counts
+    for _ in range(warmup):
         once()
     per_call = []
-    for _ in range(cfg.batches):
+    for _ in range(batches):
         start = time.perf_counter_ns()
-        for _ in range(cfg.calls_per_batch):
+        for _ in range(per_batch):
             once()
-        per_call.append(ns_to_us(time.perf_counter_ns() - start, cfg.calls_per_batch))
+        per_call.append(ns_to_us(time.perf_counter_ns() - start, per_batch))
     return summary(per_call)
 
 
@@ -67,6 +79,30 @@ def rref_method_us(cfg: Config) -> Results:
     rref = rpc.remote(CALLEE, fns.Box)
     check_value(7, rref.rpc_async().get().wait())
     return sequential_us(cfg, lambda: rref.rpc_async().get().wait())
+
+
+def model_parallel_step_us(cfg: Config) -> Results:
+    """Training steps of an MLP split in two: stage 1 here, stage 2 on the callee."""
+    stage1 = make_stage1()
+    stage2 = rpc.remote(CALLEE, fns.Stage2)
+    params = [rpc.RRef(p) for p in stage1.parameters()]
+    params += stage2.rpc_sync().parameter_rrefs("torch")
+    opt = DistributedOptimizer(torch.optim.SGD, params, lr=0.01)
+    x, y = make_batch()
+
+    def step() -> torch.Tensor:
+        with dist_autograd.context() as ctx:
+            h = stage1(x)
+            out = stage2.rpc_sync().forward(h)
+            loss = cross_entropy(out, y)
+            dist_autograd.backward(ctx, [loss])
+            opt.step(ctx)
+        return loss.detach()
+
+    first = step()
+    result = sequential_us(cfg, step, cfg.step_counts)
+    check_trained(first, step())
+    return result
 
 
 def run_window(cfg: Config, calls: int) -> float:
@@ -136,6 +172,7 @@ def drive(cfg: Config) -> Results:
         "async_execution_noop_us": latency_us(cfg, fns.completed_future),
         "remote_to_here_us": remote_to_here_us(cfg),
         "rref_method_us": rref_method_us(cfg),
+        "model_parallel_step_us": model_parallel_step_us(cfg),
         "pipelined_calls_per_s": pipelined_rate(cfg),
         "memory": memory_probe(cfg),
         "echo_ms": {},
@@ -148,6 +185,8 @@ def drive(cfg: Config) -> Results:
 def main() -> None:
     # torch's own rpc.init_rpc/shutdown trigger this deprecation warning; it is not ours.
     warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
+    # torch's DistributedOptimizer wraps SGD in a TorchScript functional optimizer.
+    warnings.filterwarnings("ignore", message="`TorchScript` support for functional optimizers")
     args = parse_worker_args()
     pin_to(args.cpu)
     cfg = config(args.quick)

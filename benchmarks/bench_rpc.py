@@ -24,11 +24,21 @@ first; a row reports the median over rounds of each round's median.
    front, then ``await rref.rpc_async().get()`` (torch:
    ``rref.rpc_async().get().wait()``), a plain method returning a small int,
    sequentially, timed like row 1.
-5. pipelined no-op: ``noop()`` with 256 calls in flight at all times; calls per
+5. model-parallel step: one SGD training step (lr 0.01) of an MLP split over
+   the pair, on a fixed 32 x 256 float32 batch with fixed labels.  Stage 1
+   (Linear(256, 256) + ReLU) is a local module on ``w0``; stage 2 (Linear(256,
+   256) + ReLU + Linear(256, 10)) is a ``Stage2`` made once on ``w1`` with
+   ``remote()``.  Each step opens a distributed autograd context, runs stage 1,
+   then ``await stage2.rpc_async().forward(h)`` (torch: ``rpc_sync()``), takes
+   the cross-entropy loss, runs the distributed backward, and steps a
+   ``DistributedOptimizer`` over both stages' parameter RRefs (asyncrpc's, or
+   ``torch.distributed.optim``'s), then leaves the context.  Sequential steps,
+   timed like row 1 (smaller counts); the loss must fall over the run.
+6. pipelined no-op: ``noop()`` with 256 calls in flight at all times; calls per
    second over 20,000 calls.
-6. tensor echo: ``echo(x)`` returns its float32 argument of 4, 64 and 400 MB
+7. tensor echo: ``echo(x)`` returns its float32 argument of 4, 64 and 400 MB
    (MB = 2**20 bytes); round-trip time after a warm-up whose result is checked.
-7. memory: growth of the callee's peak RSS (``ru_maxrss``) while it receives
+8. memory: growth of the callee's peak RSS (``ru_maxrss``) while it receives
    the largest tensor, before any other large transfer in that process pair
    (the worst round counts).  The target is about the tensor's own size: at
    most 1.1 times it, judged from 64 MB up.
@@ -215,6 +225,7 @@ def combine(side: str, rounds: list[Results]) -> Results:
         "noop_us": round_median(rounds, "noop_us"),
         "remote_to_here_us": round_median(rounds, "remote_to_here_us"),
         "rref_method_us": round_median(rounds, "rref_method_us"),
+        "model_parallel_step_us": round_median(rounds, "model_parallel_step_us"),
         "pipelined_calls_per_s": round_median(rounds, "pipelined_calls_per_s"),
         "echo_ms": {mb: round_median(rounds, "echo_ms", mb) for mb in rounds[0]["echo_ms"]},
         "memory": {key: max(r["memory"][key] for r in rounds) for key in rounds[0]["memory"]},
@@ -325,6 +336,13 @@ def build_rows(cfg: Config, torch_r: Results | None, arpc_r: Results | None) -> 
             pick(arpc_r, "rref_method_us"),
             unit="µs",
             target=2.5,
+        ),
+        speed_row(
+            "model-parallel step",
+            pick(torch_r, "model_parallel_step_us"),
+            pick(arpc_r, "model_parallel_step_us"),
+            unit="µs",
+            target=2.0,
         ),
         speed_row(
             f"pipelined no-op, {cfg.window} in flight",

@@ -26,6 +26,7 @@ def test_bench_quick_mode_runs_both_frameworks() -> None:
         "no-op round trip",
         "remote + to_here round trip",
         "RRef proxy method call round trip",
+        "model-parallel step",
         "pipelined no-op",
         "tensor echo 4 MB",
     )
