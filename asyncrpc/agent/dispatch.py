@@ -74,12 +74,17 @@ _placements: dict[Any, tuple[Placement, str]] = {}
 
 
 def describe(fn: Any) -> tuple[Placement, str]:
-    """Where ``fn`` runs and its readable name; cached for plain functions and builtins."""
-    cached = _placements.get(fn) if isinstance(fn, _CACHEABLE) else None
+    """Where ``fn`` runs and its readable name; cached for plain functions and builtins
+    (not for bound builtin methods such as ``tensor.add_``: the cache would keep their
+    object alive)."""
+    cacheable = isinstance(fn, _CACHEABLE) and isinstance(
+        getattr(fn, "__self__", None), (types.ModuleType, type(None))
+    )
+    cached = _placements.get(fn) if cacheable else None
     if cached is not None:
         return cached
     found = (_placement(fn), function_name(fn))
-    if isinstance(fn, _CACHEABLE):
+    if cacheable:
         _placements[fn] = found
     return found
 
@@ -89,8 +94,9 @@ def _placement(fn: Any) -> Placement:
         return Placement.AWAITABLE
     if getattr(fn, _ON_LOOP, False):
         return Placement.INLINE
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)  # noqa: B004 - instances with an async __call__
+    if inspect.iscoroutinefunction(fn) or (
+        not isinstance(fn, type)  # calling a class makes an instance, whatever its __call__
+        and inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004
     ):
         return Placement.LOOP
     return Placement.THREAD
