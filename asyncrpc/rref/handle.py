@@ -195,7 +195,12 @@ class RRef(Generic[T]):
     def _call(
         self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float | None
     ) -> asyncio.Future[Any]:
-        self._raise_creation_error()
+        try:
+            self._raise_creation_error()
+        except BaseException as exc:  # a proxy call fails through its future
+            failed: asyncio.Future[Any] = self._context.agent.loop.create_future()
+            failed.set_exception(exc)
+            return failed
         if self.is_owner():
             return _call_when_made(self._context, self._id, method, args, kwargs)
         call = _MethodCall(self, method)

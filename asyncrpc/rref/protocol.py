@@ -101,6 +101,7 @@ class Owned:
 
     creator: int
     created: bool = False  # the value has been (or is being) made here
+    orphaned: bool = False  # its creator died before asking for it to be made
     handles: int = 0  # live Python handles on this worker
     forks: dict[ForkId, int] = field(default_factory=dict)  # fork -> rank holding it
 
@@ -125,6 +126,7 @@ class RRefState:
         self.owned: dict[RRefId, Owned] = {}
         self.held: dict[RRefId, Held] = {}
         self.children: dict[ForkId, tuple[RRefId, int]] = {}  # our pinned children: rref, to
+        self.lost: set[int] = set()  # workers known dead
         self._serial = itertools.count(1)
 
     def _new_id(self) -> tuple[int, int]:
@@ -208,7 +210,10 @@ class RRefState:
     def _receive_own(self, rref: RRefId, fork: ForkId | None, parent: int) -> list[Instruction]:
         owned = self.owned.get(rref)
         if owned is None:
-            raise KeyError(rref)
+            if rref[0] == self.rank:
+                raise KeyError(rref)  # made here and freed: a protocol violation
+            # remote()'s create is still on its way (a reply overtook it): wait for it.
+            owned = self.owned[rref] = self._awaiting_create(rref)
         owned.handles += 1
         if fork is None:
             return []
@@ -221,7 +226,12 @@ class RRefState:
 
     def fork_requested(self, rref: RRefId, fork: ForkId, holder: int) -> None:
         """Owner: count ``fork``.  It may arrive before ``remote()``'s own request."""
-        self.owned.setdefault(rref, Owned(rref[0])).forks[fork] = holder
+        if rref not in self.owned:
+            self.owned[rref] = self._awaiting_create(rref)
+        self.owned[rref].forks[fork] = holder
+
+    def _awaiting_create(self, rref: RRefId) -> Owned:
+        return Owned(rref[0], orphaned=rref[0] in self.lost)
 
     def fork_confirmed(self, rref: RRefId) -> list[Instruction]:
         """The owner answered our ForkRequest (or our ``remote()``)."""
@@ -261,8 +271,8 @@ class RRefState:
         """Free or delete ``rref`` here if nothing refers to it any more."""
         owned = self.owned.get(rref)
         if owned is not None:
-            if owned.handles > 0 or owned.forks:
-                return []
+            if owned.handles > 0 or owned.forks or not (owned.created or owned.orphaned):
+                return []  # (not created: the creator's fork arrives with the create)
             del self.owned[rref]
             return [Free(rref)]
         held = self.held.get(rref)
@@ -276,10 +286,12 @@ class RRefState:
     def peer_lost(self, rank: int) -> list[Instruction]:
         """Worker ``rank`` is gone: release what it held, forget what it owned."""
         out: list[Instruction] = []
+        self.lost.add(rank)
         for rref, owned in list(self.owned.items()):
             for fork in [f for f, holder in owned.forks.items() if holder == rank]:
                 del owned.forks[fork]
             if not owned.created and owned.creator == rank:
+                owned.orphaned = True  # it never will be made: fail it, let it be freed
                 out.append(Orphan(rref, rank))
         for fork, (rref, to) in list(self.children.items()):
             if to == rank:

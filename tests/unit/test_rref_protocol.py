@@ -1,0 +1,842 @@
+"""Unit tests of the RRef reference-counting state machine (asyncrpc.rref.protocol).
+
+The protocol is pure (events in, instructions out), so these tests drive
+:class:`RRefState` objects by hand: first short scenarios, then a hypothesis
+model of three workers whose messages travel on FIFO lanes that interleave
+arbitrarily, as on the real links.  For each ordered pair of workers
+(src, dst) there is a REQUEST lane (requests src sends to dst, on the link src
+dialed) and a REPLY lane (replies src sends back to dst, on the link dst
+dialed).  Protocol messages and ``remote()``'s create are requests; the answer
+to a ForkRequest or a create, which confirms the requester's fork, is a reply.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from asyncrpc.rref.protocol import (
+    ChildAccepted,
+    ForkDeleted,
+    ForkId,
+    ForkRequest,
+    Free,
+    Held,
+    Instruction,
+    Message,
+    Orphan,
+    RRefId,
+    RRefState,
+    Send,
+)
+
+A, B, C = 0, 1, 2
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def snapshot(*states: RRefState) -> Any:
+    """Everything the protocol counts on these workers (for "nothing changed" checks)."""
+    return copy.deepcopy([(s.owned, s.held, s.children) for s in states])
+
+
+def is_empty(state: RRefState) -> bool:
+    return not state.owned and not state.held and not state.children
+
+
+def remote_created(creator: RRefState, owner: RRefState) -> tuple[RRefId, ForkId]:
+    """``remote()`` from ``creator`` to ``owner``, its create handled and answered."""
+    rref, fork = creator.create_remote(owner.rank)
+    assert owner.owner_create(rref, fork, creator.rank)
+    assert creator.fork_confirmed(rref) == []
+    return rref, fork
+
+
+def fork_to_user(owner: RRefState, parent: RRefState, child: RRefState, rref: RRefId) -> ForkId:
+    """``parent`` (a user) sends ``rref`` to ``child`` (a new user); all messages delivered."""
+    fork = parent.send(rref, child.rank, in_request=True)
+    assert fork is not None
+    assert child.receive(rref, owner.rank, fork, parent.rank) == [
+        Send(owner.rank, ForkRequest(rref, fork))
+    ]
+    owner.fork_requested(rref, fork, child.rank)
+    assert child.fork_confirmed(rref) == [Send(parent.rank, ChildAccepted(rref, fork))]
+    assert parent.child_accepted(rref, fork) == []
+    return fork
+
+
+# -- creation and dropping ---------------------------------------------------------------
+
+
+def test_local_create_and_drop_frees() -> None:
+    owner = RRefState(A)
+    rref = owner.create_local()
+    assert rref == (A, 1)
+    assert owner.owned[rref].handles == 1 and owner.owned[rref].created
+    assert owner.handle_dropped(rref) == [Free(rref)]
+    assert is_empty(owner)
+    assert owner.handle_dropped(rref) == []  # a late drop of a forgotten RRef is harmless
+
+
+def test_owner_frees_only_when_its_last_handle_dies() -> None:
+    owner = RRefState(A)
+    rref = owner.create_local()
+    fork = owner.send(rref, A, in_request=True)  # e.g. an RPC to itself
+    assert owner.receive(rref, A, fork, parent=A) == []
+    assert owner.owned[rref].handles == 2 and owner.owned[rref].forks == {}
+    assert owner.handle_dropped(rref) == []
+    assert owner.handle_dropped(rref) == [Free(rref)]
+
+
+def test_owner_sends_to_a_user_which_drops_it() -> None:
+    owner, user = RRefState(A), RRefState(B)
+    rref = owner.create_local()
+    fork = owner.send(rref, B, in_request=False)
+    assert fork is not None and owner.owned[rref].forks == {fork: B}
+    assert user.receive(rref, A, fork, parent=A) == []
+    assert user.held[rref] == Held(A, fork, confirmed=True, handles=1)
+    assert user.settled
+    assert owner.handle_dropped(rref) == []  # the user's fork keeps the value
+    assert user.handle_dropped(rref) == [Send(A, ForkDeleted(rref, fork))]
+    assert is_empty(user)
+    assert owner.fork_deleted(rref, fork) == [Free(rref)]
+    assert is_empty(owner)
+
+
+def test_remote_confirms_the_creator_fork_when_answered() -> None:
+    creator, owner = RRefState(A), RRefState(B)
+    rref, fork = creator.create_remote(B)
+    assert creator.held[rref] == Held(B, fork, confirmed=False, handles=1)
+    assert not creator.settled
+    assert creator.handle_dropped(rref) == []  # unconfirmed: the create is still on its way
+    assert owner.owner_create(rref, fork, A)
+    assert not owner.owner_create(rref, fork, A)  # a retry does not make it twice
+    assert owner.owned[rref].forks == {fork: A}
+    assert creator.fork_confirmed(rref) == [Send(B, ForkDeleted(rref, fork))]
+    assert owner.fork_deleted(rref, fork) == [Free(rref)]
+    assert is_empty(creator) and is_empty(owner)
+
+
+def test_a_user_forks_to_another_user() -> None:
+    owner, parent, child = RRefState(A), RRefState(B), RRefState(C)
+    rref = owner.create_local()
+    parent_fork = owner.send(rref, B, in_request=True)
+    parent.receive(rref, A, parent_fork, parent=A)
+    assert owner.handle_dropped(rref) == []
+
+    fork = parent.send(rref, C, in_request=True)
+    assert fork is not None and parent.held[rref].children == 1
+    assert parent.children == {fork: (rref, C)}
+    assert not parent.settled
+    assert parent.handle_dropped(rref) == []  # pinned by its child
+    assert child.receive(rref, A, fork, parent=B) == [Send(A, ForkRequest(rref, fork))]
+    assert child.held[rref] == Held(A, fork, confirmed=False, handles=1, to_accept=[(B, fork)])
+    owner.fork_requested(rref, fork, C)
+    assert owner.owned[rref].forks == {parent_fork: B, fork: C}
+    assert child.fork_confirmed(rref) == [Send(B, ChildAccepted(rref, fork))]
+    assert child.held[rref].to_accept == []
+    assert parent.child_accepted(rref, fork) == [Send(A, ForkDeleted(rref, parent_fork))]
+    assert is_empty(parent)
+    assert owner.fork_deleted(rref, parent_fork) == []  # the child still holds one
+    assert child.handle_dropped(rref) == [Send(A, ForkDeleted(rref, fork))]
+    assert owner.fork_deleted(rref, fork) == [Free(rref)]
+    assert is_empty(owner) and is_empty(child)
+
+
+def test_a_child_dropped_before_it_is_confirmed_waits_for_the_owner() -> None:
+    owner, parent, child = RRefState(A), RRefState(B), RRefState(C)
+    rref, _ = remote_created(parent, owner)
+    fork = parent.send(rref, C, in_request=False)
+    child.receive(rref, A, fork, parent=B)
+    assert child.handle_dropped(rref) == []  # not counted yet: deleting it would be lost
+    owner.fork_requested(rref, fork, C)
+    assert child.fork_confirmed(rref) == [
+        Send(B, ChildAccepted(rref, fork)),
+        Send(A, ForkDeleted(rref, fork)),
+    ]
+    assert owner.fork_deleted(rref, fork) == []
+
+
+# -- a user sends a handle to the owner ------------------------------------------------
+
+
+def test_a_user_returns_a_handle_to_the_owner_in_a_reply() -> None:
+    owner, user = RRefState(A), RRefState(B)
+    rref = owner.create_local()
+    user_fork = owner.send(rref, B, in_request=True)
+    user.receive(rref, A, user_fork, parent=A)
+    assert owner.handle_dropped(rref) == []
+
+    child = user.send(rref, A, in_request=False)  # a reply may overtake our ForkDeleted
+    assert child is not None and user.held[rref].children == 1
+    assert user.handle_dropped(rref) == []  # pinned until the owner has the handle
+    assert owner.receive(rref, A, child, parent=B) == [Send(B, ChildAccepted(rref, child))]
+    assert owner.owned[rref].handles == 1
+    assert child not in owner.owned[rref].forks  # the owner counts a handle, not a fork
+    assert user.child_accepted(rref, child) == [Send(A, ForkDeleted(rref, user_fork))]
+    assert owner.fork_deleted(rref, user_fork) == []  # its own handle keeps it
+    assert owner.handle_dropped(rref) == [Free(rref)]
+
+
+def test_a_user_sends_a_handle_to_the_owner_in_a_request_without_a_fork() -> None:
+    owner, user = RRefState(A), RRefState(B)
+    rref = owner.create_local()
+    user_fork = owner.send(rref, B, in_request=True)
+    user.receive(rref, A, user_fork, parent=A)
+    owner.handle_dropped(rref)
+
+    assert user.send(rref, A, in_request=True) is None  # our ForkDeleted follows it
+    assert user.children == {} and user.held[rref].children == 0
+    assert user.handle_dropped(rref) == [Send(A, ForkDeleted(rref, user_fork))]
+    assert owner.receive(rref, A, None, parent=B) == []  # delivered first: same lane
+    assert owner.fork_deleted(rref, user_fork) == []
+    assert owner.handle_dropped(rref) == [Free(rref)]
+
+
+def test_a_fork_request_may_arrive_before_the_create() -> None:
+    creator, owner, user = RRefState(A), RRefState(B), RRefState(C)
+    rref, creator_fork = creator.create_remote(B)
+    fork = creator.send(rref, C, in_request=True)
+    assert user.receive(rref, B, fork, parent=A) == [Send(B, ForkRequest(rref, fork))]
+    owner.fork_requested(rref, fork, C)  # overtakes the create, on another lane
+    assert owner.owned[rref].forks == {fork: C} and not owner.owned[rref].created
+    assert owner.owned[rref].creator == A
+    assert owner.owner_create(rref, creator_fork, A)  # the value is still to be made
+    assert owner.owned[rref].forks == {fork: C, creator_fork: A}
+    assert user.fork_confirmed(rref) == [Send(A, ChildAccepted(rref, fork))]
+    assert creator.child_accepted(rref, fork) == []  # still unconfirmed itself
+    assert creator.handle_dropped(rref) == []
+    assert creator.fork_confirmed(rref) == [Send(B, ForkDeleted(rref, creator_fork))]
+
+
+# -- dedupe: one fork per worker -------------------------------------------------------
+
+
+def test_a_second_fork_from_the_owner_is_deleted() -> None:
+    owner, user = RRefState(A), RRefState(B)
+    rref = owner.create_local()
+    first = owner.send(rref, B, in_request=True)
+    second = owner.send(rref, B, in_request=False)
+    assert first is not None and second is not None and first != second
+    assert user.receive(rref, A, first, parent=A) == []
+    assert user.receive(rref, A, second, parent=A) == [Send(A, ForkDeleted(rref, second))]
+    assert user.held[rref].fork == first and user.held[rref].handles == 2
+    assert owner.fork_deleted(rref, second) == []
+    assert owner.owned[rref].forks == {first: B}
+
+
+def test_a_second_fork_from_a_user_is_accepted_at_once_when_confirmed() -> None:
+    owner, parent, user = RRefState(A), RRefState(B), RRefState(C)
+    rref = owner.create_local()
+    parent.receive(rref, A, owner.send(rref, B, True), parent=A)
+    user_fork = owner.send(rref, C, in_request=True)
+    user.receive(rref, A, user_fork, parent=A)
+
+    child = parent.send(rref, C, in_request=True)
+    assert user.receive(rref, A, child, parent=B) == [Send(B, ChildAccepted(rref, child))]
+    assert user.held[rref].fork == user_fork and user.held[rref].handles == 2
+    assert parent.child_accepted(rref, child) == []
+    assert parent.children == {} and parent.held[rref].children == 0
+
+
+def test_a_second_fork_from_a_user_is_accepted_once_ours_is_confirmed() -> None:
+    owner, creator, user = RRefState(A), RRefState(B), RRefState(C)
+    rref, _ = remote_created(creator, owner)
+    first = creator.send(rref, C, in_request=True)
+    second = creator.send(rref, C, in_request=False)
+    assert user.receive(rref, A, first, parent=B) == [Send(A, ForkRequest(rref, first))]
+    assert user.receive(rref, A, second, parent=B) == []  # deferred: ours is not counted
+    assert user.held[rref].to_accept == [(B, first), (B, second)]
+    owner.fork_requested(rref, first, C)
+    assert user.fork_confirmed(rref) == [
+        Send(B, ChildAccepted(rref, first)),
+        Send(B, ChildAccepted(rref, second)),
+    ]
+    assert owner.owned[rref].forks[first] == C and second not in owner.owned[rref].forks
+
+
+def test_a_handle_sent_by_a_user_to_itself_is_accepted() -> None:
+    owner, user = RRefState(A), RRefState(B)
+    rref = owner.create_local()
+    user.receive(rref, A, owner.send(rref, B, True), parent=A)
+    child = user.send(rref, B, in_request=True)
+    assert user.receive(rref, A, child, parent=B) == [Send(B, ChildAccepted(rref, child))]
+    assert user.child_accepted(rref, child) == []
+    assert user.held[rref].handles == 2 and user.settled
+
+
+# -- idempotence -------------------------------------------------------------------------
+
+
+def test_every_message_delivered_twice_changes_nothing() -> None:
+    owner, parent, child = RRefState(A), RRefState(B), RRefState(C)
+    rref = owner.create_local()
+    parent_fork = owner.send(rref, B, True)
+    parent.receive(rref, A, parent_fork, parent=A)
+    owner.handle_dropped(rref)
+    fork = parent.send(rref, C, in_request=True)
+    child.receive(rref, A, fork, parent=B)
+
+    def twice(step: Any, *args: Any) -> Any:
+        first = step(*args)
+        before = snapshot(owner, parent, child)
+        assert step(*args) in (None, [])
+        assert snapshot(owner, parent, child) == before
+        return first
+
+    twice(owner.fork_requested, rref, fork, C)
+    assert twice(child.fork_confirmed, rref) == [Send(B, ChildAccepted(rref, fork))]
+    assert twice(parent.child_accepted, rref, fork) == []
+    assert parent.handle_dropped(rref) == [Send(A, ForkDeleted(rref, parent_fork))]
+    assert twice(owner.fork_deleted, rref, parent_fork) == []
+    assert child.handle_dropped(rref) == [Send(A, ForkDeleted(rref, fork))]
+    assert twice(owner.fork_deleted, rref, fork) == [Free(rref)]
+    assert is_empty(owner) and is_empty(parent) and is_empty(child)
+
+
+def test_messages_about_unknown_rrefs_are_ignored() -> None:
+    state = RRefState(A)
+    ghost, fork = (B, 7), (C, 9)
+    assert state.fork_confirmed(ghost) == []
+    assert state.child_accepted(ghost, fork) == []
+    assert state.fork_deleted(ghost, fork) == []
+    assert state.handle_dropped(ghost) == []
+    assert is_empty(state)
+
+
+# -- unsend ----------------------------------------------------------------------------
+
+
+def test_unsend_by_the_owner_forgets_the_fork() -> None:
+    owner = RRefState(A)
+    rref = owner.create_local()
+    fork = owner.send(rref, B, in_request=True)
+    assert owner.unsend(rref, fork) == []  # our own handle still keeps it
+    assert owner.owned[rref].forks == {}
+    assert owner.handle_dropped(rref) == [Free(rref)]
+
+
+def test_unsend_by_the_owner_frees_if_the_handle_died_meanwhile() -> None:
+    owner = RRefState(A)
+    rref = owner.create_local()
+    fork = owner.send(rref, B, in_request=True)
+    assert owner.handle_dropped(rref) == []  # the fork in flight keeps it
+    assert owner.unsend(rref, fork) == [Free(rref)]
+
+
+def test_unsend_by_a_user_unpins_its_fork() -> None:
+    owner, user = RRefState(A), RRefState(B)
+    rref = owner.create_local()
+    user_fork = owner.send(rref, B, True)
+    user.receive(rref, A, user_fork, parent=A)
+    child = user.send(rref, C, in_request=False)
+    assert user.handle_dropped(rref) == []
+    assert user.unsend(rref, child) == [Send(A, ForkDeleted(rref, user_fork))]
+    assert is_empty(user)
+
+
+def test_unsend_of_a_request_to_the_owner_does_nothing() -> None:
+    owner, user = RRefState(A), RRefState(B)
+    rref = owner.create_local()
+    user.receive(rref, A, owner.send(rref, B, True), parent=A)
+    before = snapshot(user)
+    fork = user.send(rref, A, in_request=True)
+    assert fork is None
+    assert user.unsend(rref, fork) == []
+    assert snapshot(user) == before
+
+
+# -- failures and shutdown -------------------------------------------------------------
+
+
+def test_peer_lost_of_a_user_releases_its_forks_and_the_pins_waiting_on_it() -> None:
+    owner, parent = RRefState(A), RRefState(B)
+    rref = owner.create_local()
+    parent.receive(rref, A, owner.send(rref, B, True), parent=A)
+    owner.send(rref, C, in_request=True)  # a fork the lost worker holds (or was sent)
+    owner.handle_dropped(rref)
+    parent.send(rref, C, in_request=True)  # a child the lost worker never accepts
+    assert parent.handle_dropped(rref) == []
+    assert len(owner.owned[rref].forks) == 2
+
+    (parent_fork,) = [f for f, holder in owner.owned[rref].forks.items() if holder == B]
+    assert parent.peer_lost(C) == [Send(A, ForkDeleted(rref, parent_fork))]
+    assert is_empty(parent)
+    assert owner.peer_lost(C) == []
+    assert owner.owned[rref].forks == {parent_fork: B}
+    assert owner.fork_deleted(rref, parent_fork) == [Free(rref)]
+
+
+def test_peer_lost_of_a_parent_drops_the_deferred_acceptance() -> None:
+    owner, creator, user = RRefState(A), RRefState(B), RRefState(C)
+    rref, _ = remote_created(creator, owner)
+    fork = creator.send(rref, C, in_request=True)
+    user.receive(rref, A, fork, parent=B)
+    assert user.held[rref].to_accept == [(B, fork)]
+    assert user.peer_lost(B) == []
+    assert user.held[rref].to_accept == []
+    owner.fork_requested(rref, fork, C)
+    assert user.fork_confirmed(rref) == []  # nobody to tell
+
+
+def test_peer_lost_of_the_creator_before_its_create_orphans_the_rref() -> None:
+    creator, owner, user = RRefState(A), RRefState(B), RRefState(C)
+    rref, _ = creator.create_remote(B)
+    fork = creator.send(rref, C, in_request=True)
+    user.receive(rref, B, fork, parent=A)
+    owner.fork_requested(rref, fork, C)  # the create is lost with its creator
+    assert owner.peer_lost(A) == [Orphan(rref, A)]
+    assert owner.owned[rref].forks == {fork: C}  # the user may still ask, and be told
+    assert user.fork_confirmed(rref) == [Send(A, ChildAccepted(rref, fork))]
+    assert user.peer_lost(A) == []
+    assert user.handle_dropped(rref) == [Send(B, ForkDeleted(rref, fork))]
+    assert owner.fork_deleted(rref, fork) == [Free(rref)]
+
+
+def test_peer_lost_of_a_creator_after_its_create_orphans_nothing() -> None:
+    creator, owner = RRefState(A), RRefState(B)
+    rref, _ = remote_created(creator, owner)
+    assert owner.peer_lost(A) == [Free(rref)]  # its fork was the only reference
+    assert is_empty(owner)
+
+
+def test_peer_lost_of_the_owner_forgets_its_rrefs() -> None:
+    owner, user, other = RRefState(A), RRefState(B), RRefState(C)
+    rref, _ = remote_created(user, owner)
+    mine = user.create_local()
+    pending = user.send(rref, C, in_request=True)  # pinned child of the lost owner's RRef
+    other.receive(rref, A, pending, parent=B)
+    assert user.peer_lost(A) == []
+    assert rref not in user.held and user.children == {}
+    assert user.owned[mine].handles == 1  # its own RRefs are untouched
+    assert other.peer_lost(A) == []
+    assert is_empty(other)
+    assert user.handle_dropped(rref) == []  # the handle outlives its owner harmlessly
+    assert other.fork_confirmed(rref) == []
+
+
+def test_peer_lost_twice_changes_nothing() -> None:
+    owner, user = RRefState(A), RRefState(B)
+    rref = owner.create_local()
+    user.receive(rref, A, owner.send(rref, B, True), parent=A)
+    owner.send(rref, C, True)
+    owner.peer_lost(C)
+    user.peer_lost(C)
+    before = snapshot(owner, user)
+    assert owner.peer_lost(C) == [] and user.peer_lost(C) == []
+    assert snapshot(owner, user) == before
+
+
+def test_release_all_gives_up_every_fork_once_settled() -> None:
+    owner, user = RRefState(A), RRefState(B)
+    local = owner.create_local()
+    fork = owner.send(local, B, True)
+    user.receive(local, A, fork, parent=A)
+    made, made_fork = user.create_remote(A)
+    assert not user.settled  # remote() not answered yet
+    assert owner.owner_create(made, made_fork, B)
+    user.fork_confirmed(made)
+    assert user.settled and owner.settled
+
+    out = user.release_all()  # whatever Python handles remain
+    assert sorted(out, key=repr) == sorted(
+        [Send(A, ForkDeleted(local, fork)), Send(A, ForkDeleted(made, made_fork))], key=repr
+    )
+    assert is_empty(user)
+    assert owner.fork_deleted(local, fork) == []  # the owner's handle remains
+    assert owner.fork_deleted(made, made_fork) == [Free(made)]
+    assert list(owner.owned) == [local]
+    assert owner.release_all() == []  # owned values are not forks
+
+
+def test_a_pinned_child_is_not_settled() -> None:
+    owner, user = RRefState(A), RRefState(B)
+    rref = owner.create_local()
+    user.receive(rref, A, owner.send(rref, B, True), parent=A)
+    child = user.send(rref, C, in_request=True)
+    assert not user.settled
+    user.child_accepted(rref, child)
+    assert user.settled
+
+
+# -- remote()'s create overtaken by other messages ---------------------------------------
+
+
+def test_the_owner_receives_its_rref_before_the_create() -> None:
+    """A calls remote(B) inside a call from B and returns the handle: the reply (A->B
+    REPLY lane) overtakes the create (A->B REQUEST lane)."""
+    creator, owner = RRefState(A), RRefState(B)
+    rref, _ = creator.create_remote(B)
+    child = creator.send(rref, B, in_request=False)
+    assert owner.receive(rref, B, child, parent=A) == [Send(A, ChildAccepted(rref, child))]
+
+
+def test_the_owner_does_not_free_before_the_create() -> None:
+    """A fork request overtakes remote()'s create; when that fork is deleted the owner
+    frees the RRef although the creator holds a handle and its create is in flight."""
+    creator, owner, user = RRefState(A), RRefState(B), RRefState(C)
+    rref, _ = creator.create_remote(B)
+    fork = creator.send(rref, C, in_request=True)
+    user.receive(rref, B, fork, parent=A)
+    owner.fork_requested(rref, fork, C)
+    assert user.fork_confirmed(rref) == [Send(A, ChildAccepted(rref, fork))]
+    assert creator.child_accepted(rref, fork) == []
+    assert user.handle_dropped(rref) == [Send(B, ForkDeleted(rref, fork))]
+    assert creator.held[rref].handles == 1
+    assert owner.fork_deleted(rref, fork) == []
+
+
+# -- the model: three workers and their lanes ---------------------------------------------
+
+RANKS = (A, B, C)
+REQUEST, REPLY = "request", "reply"
+Lane = tuple[int, int, str]  # (src, dst, REQUEST or REPLY)
+
+
+@dataclass(frozen=True)
+class Carrier:
+    """A user message carrying one pickled handle."""
+
+    rref: RRefId
+    owner: int
+    fork: ForkId | None
+    parent: int
+
+
+@dataclass(frozen=True)
+class Create:
+    """``remote()``'s request to the owner."""
+
+    rref: RRefId
+    fork: ForkId
+
+
+@dataclass(frozen=True)
+class Confirmed:
+    """The reply to a ForkRequest or a create (or its failure): confirms the fork."""
+
+    rref: RRefId
+
+
+Wire = Carrier | Create | Confirmed | Message
+IDEMPOTENT = (Confirmed, ForkRequest, ChildAccepted, ForkDeleted)
+
+
+class RRefProtocolModel(RuleBasedStateMachine):
+    """Three workers, their Python handles, and every message in flight."""
+
+    # The owner handles messages about an RRef made by remote() only after its create
+    # (see the two xfail tests above); set True to model-check all interleavings.
+    OVERTAKE_CREATE = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.states = [RRefState(rank) for rank in RANKS]
+        self.alive = set(RANKS)
+        self.handles = [Counter[RRefId]() for _ in RANKS]  # Python handles per worker
+        self.lanes: dict[Lane, deque[Wire]] = {
+            (src, dst, kind): deque() for src in RANKS for dst in RANKS for kind in (REQUEST, REPLY)
+        }
+        self.owner_of: dict[RRefId, int] = {}
+        self.uncreated: set[RRefId] = set()  # remote() whose create the owner has not had
+        self.lost_creates: set[RRefId] = set()  # ...and never will: the creator died
+        self.making: list[tuple[int, int, RRefId]] = []  # (owner, creator, rref) unanswered
+        self.exposed: set[RRefId] = set()  # safety waived: their owner or a pin died
+        self.graceful = False  # teardown by release_all rather than by dropping handles
+        self.shut = False
+
+    # -- the model's bookkeeping -------------------------------------------------------
+
+    def _holdings(self, live_owner: bool = True) -> list[tuple[int, RRefId]]:
+        """(worker, rref) for each live Python handle (of RRefs whose owner is alive)."""
+        return sorted(
+            (w, rref)
+            for w in sorted(self.alive)
+            for rref, n in self.handles[w].items()
+            if n > 0 and (not live_owner or self.owner_of[rref] in self.alive)
+        )
+
+    def _referenced(self) -> set[RRefId]:
+        """RRefs a live worker holds a handle to, or a message in flight carries."""
+        held = {rref for w, rref in self._holdings(live_owner=False)}
+        for (_, dst, _), lane in self.lanes.items():
+            if dst in self.alive:
+                held |= {m.rref for m in lane if isinstance(m, (Carrier, Create))}
+        return held
+
+    def _blocked(self, dst: int, message: Wire) -> bool:
+        if self.OVERTAKE_CREATE or not isinstance(message, (Carrier, ForkRequest)):
+            return False
+        rref = message.rref
+        waiting = rref in self.uncreated and rref not in self.lost_creates
+        return waiting and self.owner_of[rref] == dst
+
+    def _deliverable(self) -> list[Lane]:
+        return [
+            lane
+            for lane, queue in self.lanes.items()
+            if queue and lane[1] in self.alive and not self._blocked(lane[1], queue[0])
+        ]
+
+    def _post(self, src: int, to: int, message: Message) -> None:
+        if to in self.alive:
+            self.lanes[(src, to, REQUEST)].append(message)
+        elif isinstance(message, ForkRequest):  # the call fails: the shell confirms anyway
+            self.lanes[(to, src, REPLY)].append(Confirmed(message.rref))
+
+    def _carry_out(self, w: int, out: list[Instruction]) -> None:
+        for instruction in out:
+            if isinstance(instruction, Send):
+                self._post(w, instruction.to, instruction.message)
+            elif isinstance(instruction, Free):
+                self._check_free(w, instruction.rref)
+            else:
+                self._check_orphan(w, instruction)
+
+    def _check_free(self, w: int, rref: RRefId) -> None:
+        assert self.owner_of[rref] == w and rref not in self.states[w].owned
+        if not self.shut and rref not in self.exposed:
+            assert rref not in self._referenced(), f"{rref} freed while still referenced"
+
+    def _check_orphan(self, w: int, orphan: Orphan) -> None:
+        owned = self.states[w].owned[orphan.rref]
+        assert orphan.creator not in self.alive and not owned.created
+        assert orphan.rref in self.uncreated
+
+    def _receive(self, src: int, dst: int, message: Wire) -> list[Instruction]:
+        """Apply one delivered message at ``dst``; the instructions it gives."""
+        state = self.states[dst]
+        if isinstance(message, Carrier):
+            out = state.receive(message.rref, message.owner, message.fork, message.parent)
+            self.handles[dst][message.rref] += 1
+            return out
+        if isinstance(message, Create):
+            assert state.owner_create(message.rref, message.fork, message.rref[0])
+            self.uncreated.discard(message.rref)
+            self.making.append((dst, src, message.rref))
+            return []
+        if isinstance(message, ForkRequest):
+            state.fork_requested(message.rref, message.fork, src)
+            self.lanes[(dst, src, REPLY)].append(Confirmed(message.rref))
+            return []
+        if isinstance(message, Confirmed):
+            return state.fork_confirmed(message.rref)
+        if isinstance(message, ChildAccepted):
+            return state.child_accepted(message.rref, message.fork)
+        return state.fork_deleted(message.rref, message.fork)
+
+    def _deliver(self, lane: Lane, twice: bool = False) -> None:
+        src, dst, _ = lane
+        message = self.lanes[lane].popleft()
+        self._carry_out(dst, self._receive(src, dst, message))
+        if twice and isinstance(message, IDEMPOTENT):
+            before = snapshot(*self.states)
+            assert self._receive(src, dst, message) == []
+            assert snapshot(*self.states) == before
+
+    def _answer_create(self, index: int) -> None:
+        owner, creator, rref = self.making.pop(index)
+        self.lanes[(owner, creator, REPLY)].append(Confirmed(rref))
+
+    def _flush(self) -> None:
+        """Deliver everything deliverable, answering every create."""
+        while True:
+            while self.making:
+                self._answer_create(0)
+            lanes = self._deliverable()
+            if not lanes:
+                break
+            for lane in lanes:
+                self._deliver(lane)
+        stuck = {lane: list(q) for lane, q in self.lanes.items() if q and lane[1] in self.alive}
+        assert not stuck, f"messages that can never be delivered: {stuck}"
+
+    # -- rules -------------------------------------------------------------------------
+
+    @rule(data=st.data())
+    def create_local(self, data: st.DataObject) -> None:
+        w = data.draw(st.sampled_from(sorted(self.alive)), label="worker")
+        rref = self.states[w].create_local()
+        self.owner_of[rref] = w
+        self.handles[w][rref] += 1
+
+    @precondition(lambda self: len(self.alive) > 1)
+    @rule(data=st.data())
+    def remote(self, data: st.DataObject) -> None:
+        src, dst = data.draw(st.permutations(sorted(self.alive)), label="src, dst")[:2]
+        rref, fork = self.states[src].create_remote(dst)
+        self.owner_of[rref] = dst
+        self.uncreated.add(rref)
+        self.handles[src][rref] += 1
+        self.lanes[(src, dst, REQUEST)].append(Create(rref, fork))
+
+    @precondition(lambda self: bool(self._holdings()))
+    @rule(data=st.data(), to=st.sampled_from(RANKS), in_request=st.booleans())
+    def send_handle(self, data: st.DataObject, to: int, in_request: bool) -> None:
+        w, rref = data.draw(st.sampled_from(self._holdings()), label="handle")
+        fork = self.states[w].send(rref, to, in_request)
+        if to not in self.alive:  # the dial fails: the shell undoes the pickling
+            self._carry_out(w, self.states[w].unsend(rref, fork))
+            return
+        carrier = Carrier(rref, self.owner_of[rref], fork, w)
+        self.lanes[(w, to, REQUEST if in_request else REPLY)].append(carrier)
+
+    @precondition(lambda self: bool(self._holdings()))
+    @rule(data=st.data(), to=st.sampled_from(RANKS), in_request=st.booleans())
+    def send_fails(self, data: st.DataObject, to: int, in_request: bool) -> None:
+        """A handle is pickled into a message that never leaves: the send is undone."""
+        w, rref = data.draw(st.sampled_from(self._holdings()), label="handle")
+        before = snapshot(self.states[w])
+        fork = self.states[w].send(rref, to, in_request)
+        assert self.states[w].unsend(rref, fork) == []  # the handle still exists
+        assert snapshot(self.states[w]) == before
+
+    @precondition(lambda self: bool(self._deliverable()))
+    @rule(data=st.data(), twice=st.booleans())
+    def deliver(self, data: st.DataObject, twice: bool) -> None:
+        self._deliver(data.draw(st.sampled_from(self._deliverable()), label="lane"), twice)
+
+    @precondition(lambda self: bool(self.making))
+    @rule(data=st.data())
+    def answer_create(self, data: st.DataObject) -> None:
+        """The owner has made a remote() value and replies to its creator."""
+        self._answer_create(data.draw(st.integers(0, len(self.making) - 1), label="create"))
+
+    @precondition(lambda self: bool(self._holdings(live_owner=False)))
+    @rule(data=st.data())
+    def drop_handle(self, data: st.DataObject) -> None:
+        w, rref = data.draw(st.sampled_from(self._holdings(live_owner=False)), label="handle")
+        self.handles[w][rref] -= 1
+        self._carry_out(w, self.states[w].handle_dropped(rref))
+
+    @precondition(lambda self: len(self.alive) == len(RANKS))  # one death per run
+    @rule(data=st.data())
+    def kill(self, data: st.DataObject) -> None:
+        """A worker dies: its messages and Python handles vanish, the others lose it."""
+        k = data.draw(st.sampled_from(sorted(self.alive)), label="killed")
+        self.alive.discard(k)
+        self.handles[k].clear()
+        self.exposed |= {r for r, owner in self.owner_of.items() if owner == k}
+        self.exposed |= {rref for rref, _ in self.states[k].children.values()}
+        self._drop_lanes_of(k)
+        for s in sorted(self.alive):
+            self._carry_out(s, self.states[s].peer_lost(k))
+            before = snapshot(self.states[s])  # every link to it reports the loss
+            assert not any(isinstance(i, (Send, Free)) for i in self.states[s].peer_lost(k))
+            assert snapshot(self.states[s]) == before
+
+    def _drop_lanes_of(self, k: int) -> None:
+        failed: list[tuple[int, RRefId]] = []  # (requester, rref): calls to k that fail
+        for (src, dst, kind), queue in self.lanes.items():
+            if src == k and kind == REPLY:
+                failed += [(dst, m.rref) for m in queue if isinstance(m, Confirmed)]
+            elif dst == k:
+                failed += [(src, m.rref) for m in queue if isinstance(m, (ForkRequest, Create))]
+            if src == k:
+                self.lost_creates |= {m.rref for m in queue if isinstance(m, Create)}
+            if k in (src, dst):
+                queue.clear()
+        failed += [(creator, rref) for owner, creator, rref in self.making if owner == k]
+        self.making = [m for m in self.making if k not in m[:2]]
+        for requester, rref in failed:
+            if requester != k:
+                self.lanes[(k, requester, REPLY)].append(Confirmed(rref))
+
+    @rule()
+    def plan_graceful_shutdown(self) -> None:
+        self.graceful = True
+
+    # -- invariants --------------------------------------------------------------------
+
+    @invariant()
+    def referenced_rrefs_are_never_freed(self) -> None:
+        for rref in self._referenced():
+            owner = self.owner_of[rref]
+            if owner in self.alive and rref not in self.exposed | self.uncreated:
+                assert rref in self.states[owner].owned, f"{rref} is referenced but gone"
+
+    @invariant()
+    def handle_counts_agree(self) -> None:
+        for w, rref in self._holdings():
+            n, owner = self.handles[w][rref], self.owner_of[rref]
+            if owner == w:
+                assert self.states[w].owned[rref].handles == n
+            else:
+                assert self.states[w].held[rref].handles == n
+
+    @invariant()
+    def confirmed_forks_are_counted(self) -> None:
+        for w in self.alive:
+            for rref, held in self.states[w].held.items():
+                if held.confirmed and held.owner in self.alive and rref not in self.exposed:
+                    assert self.states[held.owner].owned[rref].forks.get(held.fork) == w
+
+    @invariant()
+    def pins_match_children(self) -> None:
+        for w in self.alive:
+            state = self.states[w]
+            pins = Counter(rref for rref, _ in state.children.values())
+            assert pins == Counter({r: h.children for r, h in state.held.items() if h.children})
+
+    # -- the end ------------------------------------------------------------------------
+
+    def teardown(self) -> None:
+        """Everything delivered and every handle gone: nothing leaks on the survivors."""
+        self._flush()
+        if self.graceful:
+            self._shut_down()
+        for w, rref in self._holdings(live_owner=False):
+            while self.handles[w][rref]:
+                self.handles[w][rref] -= 1
+                self._carry_out(w, self.states[w].handle_dropped(rref))
+        self._flush()
+        for w in self.alive:
+            state = self.states[w]
+            assert is_empty(state), f"worker {w} leaks {state.owned} {state.held}"
+
+    def _shut_down(self) -> None:
+        """Graceful shutdown: once settled, every worker gives up every fork it holds."""
+        assert all(self.states[w].settled for w in self.alive)
+        self.shut = True
+        for w in sorted(self.alive):
+            self._carry_out(w, self.states[w].release_all())
+        self._flush()
+        for w in self.alive:
+            state = self.states[w]
+            assert not state.held and not state.children
+            for rref, owned in state.owned.items():
+                assert not owned.forks and owned.handles == self.handles[w][rref]
+
+
+MODEL_SETTINGS = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+TestRRefProtocolModel = RRefProtocolModel.TestCase
+TestRRefProtocolModel.settings = MODEL_SETTINGS
+
+
+class RRefProtocolModelOvertakingCreate(RRefProtocolModel):
+    OVERTAKE_CREATE = True
+
+
+def test_model_with_messages_overtaking_the_create() -> None:
+    run_state_machine_as_test(
+        RRefProtocolModelOvertakingCreate, settings=settings(MODEL_SETTINGS, max_examples=100)
+    )
