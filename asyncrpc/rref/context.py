@@ -138,13 +138,20 @@ class RRefContext:
     def value_of(self, rref: RRefId) -> asyncio.Future[Any]:
         """Owner: the future of ``rref``'s value (made if this is the first we hear)."""
         future = self.values.get(rref)
-        if future is None:
-            if rref not in self.state.owned:
-                raise RRefError(
-                    f"RRef {rref} does not exist on worker {self.agent.info.name!r} "
-                    "(it was freed, or never created here)"
-                )
-            future = self.values[rref] = self._loop.create_future()
+        if future is not None:
+            return future
+        owned = self.state.owned.get(rref)
+        if owned is None:
+            why = (
+                "it was freed when a worker that held it died"
+                if rref in self.state.gone
+                else "it was freed, or never created here"
+            )
+            here = self.agent.info.name
+            raise RRefError(f"RRef {rref} does not exist on worker {here!r} ({why})")
+        future = self.values[rref] = self._loop.create_future()
+        if owned.orphaned:
+            self._fail(rref, owned.creator)
         return future
 
     def dropped(self, rref: RRefId) -> None:

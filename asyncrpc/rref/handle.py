@@ -26,7 +26,14 @@ from typing import Any, Generic, TypeVar
 
 from asyncrpc.agent import RpcAgent, WorkerInfo, async_execution, current_agent, current_transfer
 from asyncrpc.agent.dispatch import function_name
-from asyncrpc.errors import AgentStateError, RRefError, SerializationError
+from asyncrpc.errors import (
+    AgentStateError,
+    AsyncRPCError,
+    PeerLostError,
+    RPCTimeoutError,
+    RRefError,
+    SerializationError,
+)
 from asyncrpc.rref.context import RRefContext, context_for
 from asyncrpc.rref.protocol import ForkId, RRefId
 from asyncrpc.serde import register_reducer
@@ -130,14 +137,31 @@ class RRef(Generic[T]):
         """A copy of the value (the value itself on the owner).  An error raised while
         making it, or a timeout of ``remote()``, is raised here."""
         if self.is_owner():
-            future = self._context.value_of(self._id)
-            waited = asyncio.wait_for(asyncio.shield(future), timeout) if timeout else future
-            return await waited  # type: ignore[no-any-return]
+            return await self._local_value_within(timeout)
         self._raise_creation_error()
         value = self._context.agent.rpc_async(
             self._owner, _fetch, (self._id,), timeout=timeout, label=f"{self!r}.to_here"
         )
         return await self._unless_creation_fails(value)  # type: ignore[no-any-return]
+
+    async def _local_value_within(self, timeout: float | None) -> T:
+        future = self._context.value_of(self._id)
+        if not timeout or future.done():
+            return await future  # type: ignore[no-any-return]
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
+        except TimeoutError:
+            raise RPCTimeoutError(
+                f"the value of {self!r} was not made within {timeout}s",
+                worker=self._context.agent.info.name,
+            ) from None
+
+    def _released_error(self) -> AsyncRPCError:
+        """Why this worker no longer holds a reference it could pass on."""
+        owner = self._context.agent.resolve(self._owner).name
+        if self._owner in self._context.state.lost:
+            return PeerLostError(f"the owner {owner!r} of {self!r} died", worker=owner)
+        return RRefError(f"{self!r} was released (shutdown, or its value was freed)")
 
     def _unless_creation_fails(self, call: asyncio.Future[Any]) -> asyncio.Future[Any]:
         """``call``'s outcome, or the error of ``remote()`` if that comes first."""
@@ -428,8 +452,11 @@ def _reduce_rref(handle: RRef[Any]) -> Any:
         )
     context = context_for(transfer.agent)
     rref, to = handle._id, transfer.peer_rank
-    with context._lock:
-        fork = context.state.send(rref, to, transfer.request)
+    try:
+        with context._lock:
+            fork = context.state.send(rref, to, transfer.request)
+    except KeyError:
+        raise handle._released_error() from None
     transfer.undo.append(lambda: context.event(context.state.unsend, rref, fork))
     return _rebuild_rref, (rref, handle._owner, fork, context.rank)
 

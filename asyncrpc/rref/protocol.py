@@ -30,6 +30,11 @@ one (accepts it, or deletes it if the owner made it).  A user fork is deleted
 is confirmed.  A lost peer releases the forks it held and the pins waiting on
 it; RRefs owned by a lost peer are forgotten.  Every message names its fork, so
 receiving one twice changes nothing.
+
+A dead user's pins die with it, so its owner may free an RRef while a child
+fork the dead user sent is still on its way.  The owner remembers such RRefs
+(``gone``: only those that lost a fork to a dead worker) so that the late fork
+is answered without bringing the entry back, and using it fails clearly.
 """
 
 from __future__ import annotations
@@ -102,6 +107,7 @@ class Owned:
     creator: int
     created: bool = False  # the value has been (or is being) made here
     orphaned: bool = False  # its creator died before asking for it to be made
+    exposed: bool = False  # a dead worker held a fork: its unaccepted children may follow
     handles: int = 0  # live Python handles on this worker
     forks: dict[ForkId, int] = field(default_factory=dict)  # fork -> rank holding it
 
@@ -127,6 +133,7 @@ class RRefState:
         self.held: dict[RRefId, Held] = {}
         self.children: dict[ForkId, tuple[RRefId, int]] = {}  # our pinned children: rref, to
         self.lost: set[int] = set()  # workers known dead
+        self.gone: set[RRefId] = set()  # freed after a holder died (see the module doc)
         self._serial = itertools.count(1)
 
     def _new_id(self) -> tuple[int, int]:
@@ -164,7 +171,9 @@ class RRefState:
             fork = self._new_id()
             owned.forks[fork] = to
             return fork
-        held = self.held[rref]
+        held = self.held.get(rref)
+        if held is None:
+            raise KeyError(rref)  # released already: its owner died, or shutdown
         if to == held.owner and in_request:
             return None
         child = self._new_id()
@@ -209,6 +218,10 @@ class RRefState:
 
     def _receive_own(self, rref: RRefId, fork: ForkId | None, parent: int) -> list[Instruction]:
         owned = self.owned.get(rref)
+        if owned is None and rref in self.gone:  # a dead holder's child, too late
+            if fork is None or parent == self.rank:
+                return []
+            return [Send(parent, ChildAccepted(rref, fork))]
         if owned is None:
             if rref[0] == self.rank:
                 raise KeyError(rref)  # made here and freed: a protocol violation
@@ -226,6 +239,8 @@ class RRefState:
 
     def fork_requested(self, rref: RRefId, fork: ForkId, holder: int) -> None:
         """Owner: count ``fork``.  It may arrive before ``remote()``'s own request."""
+        if rref in self.gone:
+            return  # answered all the same; using the RRef will say it is gone
         if rref not in self.owned:
             self.owned[rref] = self._awaiting_create(rref)
         self.owned[rref].forks[fork] = holder
@@ -274,6 +289,8 @@ class RRefState:
             if owned.handles > 0 or owned.forks or not (owned.created or owned.orphaned):
                 return []  # (not created: the creator's fork arrives with the create)
             del self.owned[rref]
+            if owned.exposed:
+                self.gone.add(rref)
             return [Free(rref)]
         held = self.held.get(rref)
         if held is None or held.handles > 0 or held.children > 0 or not held.confirmed:
@@ -290,6 +307,7 @@ class RRefState:
         for rref, owned in list(self.owned.items()):
             for fork in [f for f, holder in owned.forks.items() if holder == rank]:
                 del owned.forks[fork]
+                owned.exposed = True
             if not owned.created and owned.creator == rank:
                 owned.orphaned = True  # it never will be made: fail it, let it be freed
                 out.append(Orphan(rref, rank))

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from asyncrpc.errors import SerializationError
+from asyncrpc.errors import AsyncRPCError, SerializationError
 from asyncrpc.serde.tensors import dump_tensor, is_plain, load_tensor
 
 _REDUCERS: dict[type, Callable[[Any], Any]] = {}
@@ -96,6 +96,8 @@ def dumps(value: Any) -> tuple[bytes, list[memoryview]]:
         reusable = _Reusable()
     try:
         payload, buffers = reusable.dump(value)
+    except AsyncRPCError:
+        raise  # a reducer's own error (an RRef that cannot travel, say) says it best
     except Exception as exc:
         raise SerializationError(f"cannot serialize {_describe(value)}: {exc}") from exc
     return payload, [b.raw() for b in buffers]

@@ -209,6 +209,22 @@ async def test_dead_owner_fails_uses_at_once(trio: tuple[RpcAgent, RpcAgent, Rpc
     with pytest.raises(ConnectionError, match="'c'"):
         await rref.rpc_async().add(1)
     assert context_for(a).debug_info()["user_rrefs"] == 0  # forgotten with its owner
+    with pytest.raises(ConnectionError, match="owner 'c'"):
+        await a.rpc_async("b", echo, (rref,))  # the handle cannot travel any more
+
+
+async def never_made() -> int:
+    await asyncio.get_running_loop().create_future()  # cancelled at shutdown
+    return 0
+
+
+async def test_owner_to_here_timeout_is_an_rpc_timeout(
+    trio: tuple[RpcAgent, RpcAgent, RpcAgent],
+) -> None:
+    rref = remote("a", never_made)
+    assert rref.is_owner()
+    with pytest.raises(RPCTimeoutError, match="not made within"):
+        await rref.to_here(timeout=0.05)
 
 
 async def test_remote_error_type_survives(trio: tuple[RpcAgent, RpcAgent, RpcAgent]) -> None:
