@@ -32,23 +32,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from collections.abc import Iterator
 
 import torch
 from _digits import Net, accuracy, digits_split
 from _launch import base_parser, launch
-from asyncrpc.functions import async_execution
+from torch import Tensor
 from torch.nn.functional import nll_loss
 
 import asyncrpc
+from asyncrpc.functions import async_execution
 
-Weights = dict[str, torch.Tensor]
+Weights = dict[str, Tensor]
+REPORT_EVERY = 50  # steps between progress lines
 
 
 class BatchUpdateParameterServer:
     """Holds the model; applies one optimizer step per batch of pushed gradients."""
 
-    def __init__(self, trainers: int, batch_update_size: int, lr: float) -> None:
+    def __init__(
+        self, trainers: int, batch_update_size: int, lr: float, test_set: tuple[Tensor, Tensor]
+    ) -> None:
         self.model = Net()
+        self.test_set = test_set
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9)
         self.batch_update_size = batch_update_size
         self.training = trainers  # trainers that have pushes left, or a push unanswered
@@ -59,6 +65,9 @@ class BatchUpdateParameterServer:
         self.first_push = 0.0
         self.last_update = 0.0
         self.next_weights: asyncio.Future[Weights] = asyncio.get_running_loop().create_future()
+
+    def accuracy(self) -> float:
+        return accuracy(self.model, *self.test_set)
 
     def weights(self) -> Weights:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -71,13 +80,13 @@ class BatchUpdateParameterServer:
     @async_execution
     def update_and_fetch_model(
         ps_rref: asyncrpc.RRef[BatchUpdateParameterServer],
-        grads: list[torch.Tensor],
+        grads: list[Tensor],
         last: bool,
     ) -> asyncio.Future[Weights]:
         """Add one trainer's gradients; the reply waits for the batch's update."""
         return ps_rref.local_value().push(grads, last)
 
-    def push(self, grads: list[torch.Tensor], last: bool) -> asyncio.Future[Weights]:
+    def push(self, grads: list[Tensor], last: bool) -> asyncio.Future[Weights]:
         if self.pushes == 0:
             self.first_push = time.monotonic()
         for param, grad in zip(self.model.parameters(), grads, strict=True):
@@ -105,12 +114,16 @@ class BatchUpdateParameterServer:
         self.pending = self.finishing = 0
         self.next_weights.set_result(self.weights())
         self.next_weights = asyncio.get_running_loop().create_future()
+        if self.updates % REPORT_EVERY == 0:
+            print(
+                f"[ps] update {self.updates}: held-out accuracy {self.accuracy():.3f}", flush=True
+            )
 
 
 async def run_trainer(
     ps_rref: asyncrpc.RRef[BatchUpdateParameterServer],
-    x: torch.Tensor,
-    y: torch.Tensor,
+    x: Tensor,
+    y: Tensor,
     steps: int,
     batch_size: int,
 ) -> None:
@@ -118,7 +131,9 @@ async def run_trainer(
     name = asyncrpc.get_worker_info().name
     ps = ps_rref.owner()
     model = Net()
-    model.load_state_dict(await asyncrpc.rpc_async(ps, BatchUpdateParameterServer.get_model, (ps_rref,)))
+    model.load_state_dict(
+        await asyncrpc.rpc_async(ps, BatchUpdateParameterServer.get_model, (ps_rref,))
+    )
     batches = mini_batches(len(y), batch_size)
     losses: list[float] = []
     for step in range(steps):
@@ -135,10 +150,79 @@ async def run_trainer(
         losses.append(loss.item())
         if (step + 1) % 50 == 0 or last:
             recent = losses[-50:]
-            print(f"[{name}] step {step + 1}/{steps}  loss {sum(recent) / len(recent):.4f}", flush=True)
+            print(
+                f"[{name}] step {step + 1}/{steps}  loss {sum(recent) / len(recent):.4f}",
+                flush=True,
+            )
 
 
-def mini_batches(samples: int, batch_size: int):
+def mini_batches(samples: int, batch_size: int) -> Iterator[Tensor]:
     """Index batches over reshuffled epochs, forever."""
     while True:
         yield from torch.randperm(samples).split(batch_size)
+
+
+async def run_server(trainers: int, args: argparse.Namespace) -> None:
+    """Rank 0: load the data, start every trainer, wait for them, report."""
+    batch_update_size = args.batch_update_size or trainers
+    if not 1 <= batch_update_size <= trainers:
+        raise SystemExit(f"--batch-update-size must be between 1 and {trainers} (trainers)")
+    train_x, train_y, test_x, test_y = digits_split()
+    shard = len(train_y) // trainers
+    steps = (args.epochs or (6 if args.smoke else 15)) * -(-shard // args.batch_size)
+    server = BatchUpdateParameterServer(trainers, batch_update_size, args.lr, (test_x, test_y))
+    ps_rref = asyncrpc.RRef(server)
+    print(
+        f"[ps] {trainers} trainers x {steps} pushes; one update per {batch_update_size} pushes",
+        flush=True,
+    )
+    await asyncio.gather(
+        *(
+            asyncrpc.rpc_async(
+                f"trainer{i + 1}",
+                run_trainer,
+                (ps_rref, train_x[i::trainers], train_y[i::trainers], steps, args.batch_size),
+                timeout=0,  # training takes as long as it takes
+            )
+            for i in range(trainers)
+        )
+    )
+    elapsed = server.last_update - server.first_push
+    print(
+        f"server: {server.updates} updates in {elapsed:.1f} s, "
+        f"{server.updates / elapsed:.1f} updates/s ({server.pushes} pushes)",
+        flush=True,
+    )
+    held_out = server.accuracy()
+    print(f"[ps] held-out accuracy {held_out:.3f} on {len(test_y)} images", flush=True)
+    print(f"RESULT accuracy={held_out:.4f}", flush=True)
+
+
+async def worker(rank: int, world: int, args: argparse.Namespace) -> None:
+    if world < 2:
+        raise SystemExit("need at least 2 workers: the server and one trainer")
+    name = "ps" if rank == 0 else f"trainer{rank}"
+    await asyncrpc.init_rpc(name, rank=rank, world_size=world, init_method="env://")
+    if rank == 0:
+        await run_server(world - 1, args)
+    # Trainers just serve: ps calls run_trainer on them.  shutdown() returns once every
+    # worker is done, so a trainer stays up until ps has finished with it.
+    await asyncrpc.shutdown()
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = base_parser(__doc__.splitlines()[0], world=3)
+    parser.add_argument(
+        "--batch-update-size",
+        type=int,
+        default=None,
+        help="pushes per optimizer step (default: the number of trainers)",
+    )
+    parser.add_argument("--epochs", type=int, default=None, help="default 15; 6 with --smoke")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.1)
+    return parser
+
+
+if __name__ == "__main__":
+    launch(worker, make_parser())

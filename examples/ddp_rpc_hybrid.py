@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from _launch import base_parser, launch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.parallel import DistributedDataParallel
 
 import asyncrpc
 from asyncrpc.autograd import backward, context, get_gradients
@@ -64,7 +64,7 @@ class HybridModel(nn.Module):
     def __init__(self, remote_emb_module: RemoteModule) -> None:
         super().__init__()
         self.remote_emb_module = remote_emb_module
-        self.fc = DDP(nn.Linear(EMBEDDING_DIM, CLASSES))
+        self.fc = DistributedDataParallel(nn.Linear(EMBEDDING_DIM, CLASSES))
 
     async def forward(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         emb_lookup = await self.remote_emb_module.forward_async(indices, offsets)
@@ -103,7 +103,7 @@ def average_gradients(grads: list[torch.Tensor]) -> None:
     """Average the trainers' gradients in place (blocking: run it off the event loop)."""
     for grad in grads:
         dist.all_reduce(grad)
-        grad /= dist.get_world_size()
+        grad.div_(dist.get_world_size())
 
 
 async def train_step(

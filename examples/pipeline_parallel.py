@@ -36,7 +36,6 @@ import time
 
 import torch
 from _launch import base_parser, launch
-from sklearn.datasets import load_digits
 from torch import nn
 
 import asyncrpc
@@ -82,9 +81,7 @@ class Shard2(Shard):
     """Output layers: called with an RRef of the first shard's output, which it fetches."""
 
     def __init__(self, hidden: int) -> None:
-        super().__init__(
-            [nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, CLASSES)]
-        )
+        super().__init__([nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, CLASSES)])
 
     async def forward(self, x_rref: asyncrpc.RRef[torch.Tensor]) -> torch.Tensor:
         x = await x_rref.to_here()
@@ -120,6 +117,8 @@ Data = tuple[torch.Tensor, torch.Tensor]
 
 def load_data() -> tuple[Data, Data]:
     """Standardised digits, split into a training and a test set."""
+    from sklearn.datasets import load_digits  # only the master needs it: import it here
+
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32)
     y = torch.tensor(digits.target)
@@ -193,8 +192,11 @@ async def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = base_parser(__doc__.split("\n")[0], world=3)
-    parser.add_argument("--rounds", type=int, help="rounds of 3 steps (1, 2, 4 splits); "
-                        "default: 40, or 8 with --smoke")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="rounds of 3 steps (1, 2, 4 splits); default: 40, or 8 with --smoke",
+    )
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--lr", type=float, default=1e-3)

@@ -159,7 +159,7 @@ class RNNModel(nn.Module):
     """Embedding table and decoder on ``ps`` (behind RRefs), LSTM here."""
 
     def __init__(
-        self, ps: str, ntoken: int, ninp: int, nhid: int, nlayers: int, dropout: float
+        self, ps: str, ntoken: int, *, ninp: int, nhid: int, nlayers: int, dropout: float
     ) -> None:
         super().__init__()
         self.emb_table_rref = asyncrpc.remote(ps, EmbeddingTable, args=(ntoken, ninp, dropout))
@@ -234,7 +234,9 @@ async def sample(model: RNNModel, prompt: str, length: int) -> str:
 
 
 async def run_trainer(args: argparse.Namespace) -> None:
-    model = RNNModel("ps", len(VOCAB), args.ninp, args.nhid, args.nlayers, args.dropout)
+    model = RNNModel(
+        "ps", len(VOCAB), ninp=args.ninp, nhid=args.nhid, nlayers=args.nlayers, dropout=args.dropout
+    )
     opt = DistributedOptimizer(torch.optim.Adam, await model.parameter_rrefs(), lr=args.lr)
     data = batchify(SONNETS, args.streams)
     print(
@@ -258,6 +260,8 @@ async def run_trainer(args: argparse.Namespace) -> None:
 
 
 async def worker(rank: int, world: int, args: argparse.Namespace) -> None:
+    if world != 2:
+        raise SystemExit(f"this example runs 2 workers (trainer and ps), not {world}")
     name = "trainer" if rank == 0 else "ps"
     await asyncrpc.init_rpc(name, rank=rank, world_size=world, init_method="env://")
     if rank == 0:

@@ -15,6 +15,7 @@ import torch
 
 import asyncrpc
 from asyncrpc.agent import current_agent
+from asyncrpc.autograd.context import contexts_of
 from tests.scenarios import Config, block_for, die, outcome
 
 KEPT: list[Any] = []  # handles a worker keeps until it dies or shuts down
@@ -246,6 +247,9 @@ async def fit(server: asyncrpc.RRef[LinearServer], steps: int) -> list[float]:
             await asyncrpc.autograd.backward(ctx, [loss])
             await opt.step(ctx)
         losses.append(loss.item())
+    agent = current_agent()
+    assert agent is not None
+    await contexts_of(agent).released()  # context exits do not wait for the server's
     return losses
 
 

@@ -13,8 +13,6 @@ See :mod:`asyncrpc.autograd.context` (recording) and :mod:`asyncrpc.autograd.eng
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
@@ -27,7 +25,6 @@ from asyncrpc.errors import AgentStateError
 from asyncrpc.rref.handle import RRef, set_backward
 
 __all__ = ("backward", "context", "get_gradients")
-log = logging.getLogger("asyncrpc.autograd")
 
 
 @asynccontextmanager
@@ -36,7 +33,8 @@ async def context() -> AsyncIterator[ContextId]:
 
     While it is open, RPCs from this task that carry tensors requiring grad (in
     arguments or results) are recorded so that :func:`backward` can cross them.
-    Leaving it releases the context on every worker that took part.
+    Leaving it releases the context here at once and on every worker that took
+    part without waiting for them (graceful shutdown does).
     """
     agent = _agent()
     contexts = contexts_of(agent)
@@ -46,7 +44,7 @@ async def context() -> AsyncIterator[ContextId]:
         yield opened.id
     finally:
         current_context_id.reset(token)
-        await _release_everywhere(agent, opened.id)
+        contexts.release_everywhere(opened.id)
 
 
 async def backward(
@@ -72,22 +70,6 @@ def get_gradients(context_id: ContextId) -> dict[torch.Tensor, torch.Tensor]:
     context = contexts_of(_agent()).get(context_id)
     with context.lock:
         return dict(context.grads)
-
-
-async def _release_everywhere(agent: RpcAgent, context_id: ContextId) -> None:
-    released = contexts_of(agent).release(context_id)
-    if released is None:
-        return
-    peers = sorted(released.peers - {agent.info.id})
-    calls = [agent.rpc_async(peer, _release_here, (context_id,)) for peer in peers]
-    for outcome in await asyncio.gather(*calls, return_exceptions=True):
-        if isinstance(outcome, Exception) and not isinstance(outcome, ConnectionError):
-            log.warning("releasing autograd context %d: %s", context_id, outcome)
-
-
-async def _release_here(context_id: ContextId) -> None:
-    """On a worker that took part: release here and on the workers it reached."""
-    await _release_everywhere(_agent(), context_id)
 
 
 def _agent() -> RpcAgent:

@@ -20,25 +20,33 @@ walks it piece by piece.  Gradients accumulate in the context (keyed by leaf
 tensor), never in ``.grad``, so concurrent contexts do not mix.
 
 Each context also remembers the workers it exchanged tensors with; releasing
-a context releases it there too, transitively, so it is freed everywhere.
+a context releases it there too, transitively, so it is freed everywhere.  The
+worker that leaves the context does not wait for those releases (a training
+step should not pay a round trip for them); it keeps them in flight, and
+graceful shutdown waits for them.  A release's reply means every worker
+downstream has released too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import itertools
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from asyncrpc.agent import RpcAgent, current_transfer, propagate
+from asyncrpc.agent import RpcAgent, current_agent, current_transfer, propagate
 from asyncrpc.errors import AgentStateError
 from asyncrpc.serde import reduce_tensor, register_reducer
 
 ContextId = int
 SendId = tuple[int, int]  # (sender rank, serial there)
+
+log = logging.getLogger("asyncrpc.autograd")
 
 current_context_id: contextvars.ContextVar[ContextId | None] = contextvars.ContextVar(
     "asyncrpc_autograd_context", default=None
@@ -78,6 +86,7 @@ class AutogradContexts:
         self.live: dict[ContextId, AutogradContext] = {}
         self._serials = itertools.count(1)
         self._lock = threading.Lock()
+        self._releasing: set[asyncio.Future[Any]] = set()
 
     def new_context(self) -> AutogradContext:
         context_id = (self.rank << 40) | next(self._serials)
@@ -106,13 +115,42 @@ class AutogradContexts:
     def new_send_id(self) -> SendId:
         return (self.rank, next(self._serials))
 
+    def release_everywhere(self, context_id: ContextId) -> list[asyncio.Future[Any]]:
+        """Release ``context_id`` here and, without waiting, on every worker it reached;
+        returns those releases (each done once its worker and those downstream are)."""
+        released = self.release(context_id)
+        if released is None:
+            return []
+        calls = []
+        for peer in sorted(released.peers - {self.rank}):
+            try:
+                call = self.agent.rpc_async(peer, _release_here, (context_id,))
+            except Exception as exc:  # e.g. shutting down: the peer's close frees it
+                log.warning("cannot release autograd context %d on %d: %s", context_id, peer, exc)
+                continue
+            self._releasing.add(call)
+            call.add_done_callback(self._release_done)
+            calls.append(call)
+        return calls
+
+    def _release_done(self, call: asyncio.Future[Any]) -> None:
+        self._releasing.discard(call)
+        error = None if call.cancelled() else call.exception()
+        if error is not None and not isinstance(error, ConnectionError):
+            log.warning("releasing an autograd context: %s", error)
+
+    async def released(self) -> None:
+        """Wait until every release this worker sent is done (downstream too)."""
+        while self._releasing:
+            await asyncio.gather(*self._releasing, return_exceptions=True)
+
     # -- agent extension -----------------------------------------------------------
 
     def peer_lost(self, rank: int) -> None:
         pass  # a backward pass reaching a lost worker fails through its RPC
 
     async def drain(self) -> None:
-        pass
+        await self.released()
 
     def close(self) -> None:
         self.live.clear()
@@ -124,6 +162,14 @@ class AutogradContexts:
 def contexts_of(agent: RpcAgent) -> AutogradContexts:
     """The autograd contexts of ``agent`` (made on first use)."""
     return agent.extension("autograd", AutogradContexts)
+
+
+async def _release_here(context_id: ContextId) -> None:
+    """On a worker that took part: release here and downstream; reply when all are."""
+    agent = current_agent()
+    if agent is None:  # pragma: no cover - always runs inside an agent
+        raise AgentStateError("autograd release outside of a running agent")
+    await asyncio.gather(*contexts_of(agent).release_everywhere(context_id))
 
 
 # -- recording sends and recvs as tensors are (un)pickled ----------------------------

@@ -73,7 +73,10 @@ def grads_on(agent: RpcAgent, context_id: int) -> dict[torch.Tensor, torch.Tenso
     return dict(contexts_of(agent).get(context_id).grads)
 
 
-def contexts_everywhere(agents: Agents) -> list[int]:
+async def contexts_everywhere(agents: Agents) -> list[int]:
+    """Contexts alive on each agent, once the releases they sent are done."""
+    for agent in agents:
+        await contexts_of(agent).released()
     return [a.debug_info()["autograd_contexts"] for a in agents]
 
 
@@ -86,7 +89,8 @@ async def test_two_stage_chain(trio: Agents) -> None:
         loss = (y * y).sum() + h.sum()
         await autograd.backward(ctx, [loss])
         got_a, got_b = autograd.get_gradients(ctx)[w_a], grads_on(b, ctx)[W_B]
-        assert contexts_everywhere(trio)[:2] == [1, 1]
+        assert (await contexts_everywhere(trio))[:2] == [1, 1]
+    assert a.debug_info()["autograd_contexts"] == 0  # here at once; b's is on its way
 
     def local() -> torch.Tensor:
         h = torch.relu(x @ w_a)
@@ -96,7 +100,7 @@ async def test_two_stage_chain(trio: Agents) -> None:
     want_a, want_b = local_grads(local, [w_a, W_B])
     assert close(got_a, want_a) and close(got_b, want_b)
     assert w_a.grad is None and W_B.grad is None  # gradients live in the context
-    assert contexts_everywhere(trio) == [0, 0, 0]
+    assert (await contexts_everywhere(trio)) == [0, 0, 0]
 
 
 async def test_nested_calls_across_three_workers(trio: Agents) -> None:
@@ -114,7 +118,7 @@ async def test_nested_calls_across_three_workers(trio: Agents) -> None:
 
     want = local_grads(local, [w_a, W_B, W_C])
     assert all(close(g, w) for g, w in zip(got, want, strict=True))
-    assert contexts_everywhere(trio) == [0, 0, 0]  # released on c too, through b
+    assert (await contexts_everywhere(trio)) == [0, 0, 0]  # released on c too, through b
 
 
 async def test_tensor_used_twice_diamond(trio: Agents) -> None:
@@ -202,7 +206,7 @@ async def test_concurrent_contexts_against_one_server(trio: Agents) -> None:
 
     await asyncio.gather(*(one(seed) for seed in xs))
     assert len(set(contexts.values())) == 4
-    assert contexts_everywhere(trio) == [0, 0, 0]
+    assert (await contexts_everywhere(trio)) == [0, 0, 0]
 
 
 @pytest.mark.parametrize(
@@ -257,7 +261,7 @@ async def test_failure_in_backward_raises_and_contexts_are_released(trio: Agents
             y = await a.rpc_async("b", failing_stage, (w_a * 1,))
             await autograd.backward(ctx, [y.sum()])
     assert caught.value.remote_worker == "b"  # type: ignore[attr-defined]
-    assert contexts_everywhere(trio) == [0, 0, 0]
+    assert (await contexts_everywhere(trio)) == [0, 0, 0]
 
 
 async def test_remote_module_embedding_bag_trains(trio: Agents) -> None:
