@@ -164,8 +164,11 @@ def get_debug_info() -> dict[str, Any]:
 
 
 async def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
-    """Leave the job.  Graceful: wait for our calls and every live worker (bounded by
-    ``timeout``, default ``rpc_timeout``); workers known to be dead are skipped."""
+    """Leave the job.  Graceful: wait for our calls and for every live worker to call
+    shutdown too (workers known to be dead are skipped), then release what workers
+    share and close.  ``timeout=None`` waits for the others as long as they are
+    alive, as torch does (a worker that only serves calls this at once), and bounds
+    the release by ``rpc_timeout``; a number bounds all of it; 0 or less, nothing."""
     agent = _agent()
     try:
         await agent.shutdown(graceful=graceful, timeout=timeout)

@@ -178,25 +178,50 @@ class RpcAgent:
         self.state = "running"
 
     async def shutdown(self, graceful: bool = True, timeout: float | None = None) -> None:
-        """Leave the job; graceful waits for our calls and for every live peer (bounded)."""
+        """Leave the job.  Graceful: wait for our calls and for every live peer to call
+        shutdown too, then release what they share (RRefs, contexts) and close.
+
+        ``timeout=None``: wait for the others as long as they are alive (a worker that
+        only serves calls shutdown at once and waits out the job, as in torch), then
+        bound the release by ``rpc_timeout``.  A number bounds the whole of it; 0 or
+        less means no bound at all.
+        """
         if self.state in ("closing", "closed"):
             return
-        bound = self.options.rpc_timeout if timeout is None else timeout
         try:
             if graceful and self.state == "running":
-                async with asyncio.timeout(bound if bound > 0 else None):
-                    await self._idle.wait()
-                    await self._barrier(1)
-                    for extension in list(self._extensions.values()):
-                        await extension.drain()
-                    await self._idle.wait()
-                    await self._barrier(2)
+                if timeout is None:
+                    await self._arrive()
+                    await self._within(self.options.rpc_timeout, self._depart())
+                else:
+                    await self._within(timeout, self._arrive_and_depart())
+        finally:
+            await self._close()
+
+    async def _arrive(self) -> None:
+        """Our calls are done and every live peer has called shutdown."""
+        await self._idle.wait()  # each call is bounded by its own timeout
+        await self._barrier(1)  # a peer that dies is skipped
+
+    async def _depart(self) -> None:
+        """Extensions release what peers share; then all meet again and may close."""
+        for extension in list(self._extensions.values()):
+            await extension.drain()
+        await self._idle.wait()
+        await self._barrier(2)
+
+    async def _arrive_and_depart(self) -> None:
+        await self._arrive()
+        await self._depart()
+
+    async def _within(self, bound: float, step: Awaitable[None]) -> None:
+        try:
+            async with asyncio.timeout(bound if bound > 0 else None):
+                await step
         except TimeoutError:
             raise RPCTimeoutError(
                 f"shutdown of {self.info.name!r} timed out after {bound}s: {self._waiting_for()}"
             ) from None
-        finally:
-            await self._close()
 
     def _waiting_for(self) -> str:
         if self._pending:

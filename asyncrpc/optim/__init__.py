@@ -8,7 +8,9 @@ parameters (any ``torch.optim`` optimizer class; it does not block).
 ``await step(ctx_id)`` asks every owner at once to step: the owner sets each
 parameter's ``.grad`` from the context's gradients, steps, and clears ``.grad``
 again, under a lock, so steps on one owner are serialised (many trainers may
-share one parameter server).  It runs in the owner's thread pool.
+share one parameter server; as in torch, one lock serves every optimizer of a
+process, since two optimizers may hold the same parameters).  It runs in the
+owner's thread pool.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ __all__ = ("DistributedOptimizer",)
 class _LocalOptimizer:
     """Lives on a parameter owner: one torch optimizer over that owner's parameters."""
 
+    lock = threading.Lock()  # every step in this process: parameters may be shared
+
     def __init__(
         self,
         optimizer_class: type[torch.optim.Optimizer],
@@ -38,7 +42,6 @@ class _LocalOptimizer:
     ) -> None:
         self.params = [p.local_value() for p in params]
         self.optimizer = optimizer_class(self.params, *args, **kwargs)
-        self.lock = threading.Lock()
 
     def step(self, context_id: int) -> None:
         grads = get_gradients(context_id)
