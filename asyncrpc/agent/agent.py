@@ -36,7 +36,7 @@ import contextvars
 import itertools
 import logging
 import os
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -567,6 +567,11 @@ class RpcAgent:
         """Run ``func`` here, placed as an incoming call would be (thread pool, loop task,
         awaitable or inline); returns a future of its result."""
         return self._inbound.invoke(func, args, kwargs or {})
+
+    def offload(self, kind: Hashable, func: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Run the framework's own compute ``func(*args)``: on the loop if the last job of
+        ``kind`` proved quick, else in the thread pool (see :mod:`asyncrpc.agent.inbound`)."""
+        return self._inbound.offload(kind, func, *args)
 
     def _worth_polling(self) -> bool:
         """Spin while calls are in flight, unless pool threads need the GIL."""

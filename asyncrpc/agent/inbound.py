@@ -18,6 +18,12 @@ name) and runs where :func:`~asyncrpc.agent.dispatch.describe` places it:
 
 :meth:`Inbound.invoke` runs a function by the same placement rules for upper
 layers (an RRef's value is made this way) and returns a future of its result.
+:meth:`Inbound.offload` is for the framework's own compute (a backward piece, an
+optimizer step), which a training loop runs again and again at the same size:
+it learns how long each *kind* of job takes, and runs a kind that last took
+under ``INLINE_BELOW`` on the loop, where a small job costs less than the trip
+through a pool thread; a new kind, or a slow one, goes to the pool.  (Never for
+user functions: one of those may block on the loop it would be running on.)
 
 Every call ends in exactly one RESPONSE or ERROR frame, unless its link is
 gone (then nobody is waiting).  A CANCEL from the caller (its deadline passed)
@@ -32,8 +38,9 @@ import asyncio
 import contextlib
 import contextvars
 import threading
+import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +55,11 @@ from asyncrpc.wire import Frame, Kind
 
 if TYPE_CHECKING:
     from asyncrpc.agent.agent import RpcAgent
+
+# Seconds.  A trip through a pool thread costs two thread wake-ups (50 to 500 µs on small
+# VMs); stalling the loop for less than a millisecond costs other calls no more than that.
+INLINE_BELOW = 1e-3
+_KINDS_KEPT = 1024  # learnt job times kept (forgotten all at once past this)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +92,7 @@ class Inbound:
         self._lock = threading.Lock()
         self._drain_scheduled = False
         self.threads_busy = 0  # calls handed to the pool and not yet back on the loop
+        self._took: dict[Hashable, float] = {}  # seconds the latest offloaded job of a kind took
 
     # -- links ---------------------------------------------------------------------
 
@@ -204,6 +217,27 @@ class Inbound:
             failed = self._loop.create_future()
             failed.set_exception(exc)
             return failed
+
+    def offload(self, kind: Hashable, func: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        """Framework compute ``func(*args)``: on the loop at once if the last job of
+        ``kind`` took under ``INLINE_BELOW`` seconds, else in the pool; a future of it."""
+        if self._took.get(kind, INLINE_BELOW) >= INLINE_BELOW:
+            return self.invoke(self._timed, (kind, func, *args), {})
+        done = self._loop.create_future()
+        try:
+            done.set_result(self._timed(kind, func, *args))
+        except Exception as exc:
+            done.set_exception(exc)
+        return done
+
+    def _timed(self, kind: Hashable, func: Callable[..., Any], *args: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return func(*args)
+        finally:
+            if len(self._took) >= _KINDS_KEPT:
+                self._took.clear()
+            self._took[kind] = time.perf_counter() - started
 
     @staticmethod
     def _call_on_loop(

@@ -10,7 +10,7 @@ parameter's ``.grad`` from the context's gradients, steps, and clears ``.grad``
 again, under a lock, so steps on one owner are serialised (many trainers may
 share one parameter server; as in torch, one lock serves every optimizer of a
 process, since two optimizers may hold the same parameters).  It runs in the
-owner's thread pool.
+owner's thread pool, or on its loop once steps proved quick (``agent.offload``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from asyncrpc.agent import async_execution, current_agent
 from asyncrpc.autograd import get_gradients
 from asyncrpc.rref import RRef, remote
 
@@ -43,7 +44,15 @@ class _LocalOptimizer:
         self.params = [p.local_value() for p in params]
         self.optimizer = optimizer_class(self.params, *args, **kwargs)
 
-    def step(self, context_id: int) -> None:
+    @async_execution
+    def step(self, context_id: int) -> asyncio.Future[None]:
+        agent = current_agent()
+        assert agent is not None  # a method called through an RRef runs in an agent
+        if self.lock.locked():  # a step runs in the pool: never wait for it on the loop
+            return agent.invoke(self._step, (context_id,))
+        return agent.offload(("optimizer step", id(self)), self._step, context_id)
+
+    def _step(self, context_id: int) -> None:
         grads = get_gradients(context_id)
         with self.lock:
             for param in self.params:
