@@ -54,6 +54,8 @@ def test_ddp_rpc_hybrid_learns_and_keeps_replicas_identical(stdout: Callable[[],
 def test_pipeline_parallel_learns_and_times_every_split(stdout: Callable[[], str]) -> None:
     results = run_example("pipeline_parallel", "--smoke")
     assert results["loss_ratio"] < 0.5, results
-    timed = dict(re.findall(r"\[master\]\s+(\d) splits?\s*:\s+([\d.]+) ms", stdout()))
-    assert set(timed) == {"1", "2", "4"}, stdout()
-    assert all(float(ms) > 0 for ms in timed.values())
+    timed = re.findall(
+        r"\[master\]\s+(\d) splits?\s*: forward\s+([\d.]+) ms, step\s+([\d.]+) ms", stdout()
+    )
+    assert {splits for splits, _, _ in timed} == {"1", "2", "4"}, stdout()
+    assert all(0 < float(forward) < float(step) for _, forward, step in timed), timed

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import threading
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 
 from asyncrpc import PeerLostError, RemoteError, RPCTimeoutError
 from asyncrpc.agent import AgentOptions, RpcAgent, async_execution
+from asyncrpc.agent.inbound import INLINE_BELOW
 from asyncrpc.errors import LocalProtocolError
 
 pytestmark = pytest.mark.timeout(30)
@@ -227,3 +230,24 @@ async def test_an_internal_error_fails_the_link_with_its_cause_and_is_logged(
     assert "simulated bug" in caplog.text
     monkeypatch.undo()
     assert await a.rpc_async("b", torch.add, args=(2, 2)) == 4  # a new link serves again
+
+
+def thread_and_result(value: int, seconds: float = 0.0) -> tuple[int, int]:
+    time.sleep(seconds)  # a job that takes this long (not a synchronisation)
+    return threading.get_ident(), value
+
+
+async def test_offload_learns_to_run_quick_kinds_on_the_loop(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    a, _ = pair
+    loop_thread = threading.get_ident()
+    first, one = await a.offload("quick", thread_and_result, 1)
+    assert (one, first != loop_thread) == (1, True)  # a new kind goes to the pool
+    again = a.offload("quick", thread_and_result, 2)
+    assert again.done() and again.result() == (loop_thread, 2)  # it proved quick
+    with pytest.raises(ZeroDivisionError):
+        await a.offload("quick", divmod, 1, 0)  # errors come back through the future
+    slow = 2 * INLINE_BELOW
+    assert (await a.offload("slow", thread_and_result, 3, slow))[0] != loop_thread
+    assert (await a.offload("slow", thread_and_result, 4))[0] != loop_thread  # still slow

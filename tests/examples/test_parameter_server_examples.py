@@ -1,0 +1,86 @@
+"""Smoke runs of the two parameter-server examples, on scikit-learn's 8x8 digits.
+
+Chance is 0.10 on the ten digits.  The bar is 0.8 held-out accuracy: the smoke runs
+reach 0.92-0.97 (``parameter_server``, 4 epochs of asynchronous SGD, whose result varies
+with the trainers' interleaving) and about 0.96 (``batch_parameter_server``, 6 epochs,
+deterministic for a seed), so 0.8 shows clear learning with room for the noise of
+asynchronous updates on a loaded machine.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.examples.runner import run_example
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
+
+LEARNED = 0.8
+SERVER_LINE = re.compile(
+    r"^server: (\d+) updates in ([\d.]+) s, ([\d.]+) updates/s \((\d+) pushes\)$", re.M
+)
+PLAN_LINE = re.compile(r"^\[ps\] (\d+) trainers x (\d+) pushes; one update per (\d+) pushes$", re.M)
+
+
+@pytest.fixture
+def stdout_of_runs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The stdout of every script ``run_example`` runs (it returns only the metrics)."""
+    seen: list[str] = []
+    real_run: Callable[..., subprocess.CompletedProcess[Any]] = subprocess.run
+
+    def spy(*args: Any, **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+        done = real_run(*args, **kwargs)
+        seen.append(done.stdout)
+        return done
+
+    monkeypatch.setattr(subprocess, "run", spy)
+    return seen
+
+
+def server_stats(stdout: str) -> dict[str, float]:
+    """The batch server's plan and its ``server: ...`` line, as numbers."""
+    plan, line = PLAN_LINE.search(stdout), SERVER_LINE.search(stdout)
+    assert plan is not None and line is not None, stdout
+    return {
+        "trainers": int(plan[1]),
+        "steps": int(plan[2]),
+        "batch_update_size": int(plan[3]),
+        "updates": int(line[1]),
+        "seconds": float(line[2]),
+        "rate": float(line[3]),
+        "pushes": int(line[4]),
+    }
+
+
+def test_parameter_server_trains_the_server_model() -> None:
+    results = run_example("parameter_server", "--smoke")
+    assert results["accuracy"] >= LEARNED
+
+
+def test_batch_parameter_server_one_update_per_batch(stdout_of_runs: list[str]) -> None:
+    results = run_example("batch_parameter_server", "--smoke")
+    assert results["accuracy"] >= LEARNED
+    stats = server_stats(stdout_of_runs[-1])
+    assert stats["trainers"] == 2 and stats["batch_update_size"] == 2
+    assert stats["pushes"] == stats["trainers"] * stats["steps"]
+    assert stats["updates"] == stats["pushes"] / stats["batch_update_size"]
+    assert stats["rate"] > 0
+
+
+def test_batch_parameter_server_partial_last_batch(stdout_of_runs: list[str]) -> None:
+    """3 trainers, 2 pushes per update: 3 x 15 pushes cannot all pair up, and once the
+    other trainers are done the last one's pushes must be answered alone (else it would
+    wait forever).  How many go alone depends on the interleaving, hence the bounds."""
+    run_example(
+        "batch_parameter_server", "--world", "4", "--batch-update-size", "2", "--epochs", "1"
+    )
+    stats = server_stats(stdout_of_runs[-1])
+    assert stats["trainers"] == 3 and stats["batch_update_size"] == 2
+    assert stats["pushes"] == 3 * stats["steps"]
+    assert math.ceil(stats["pushes"] / 2) <= stats["updates"] < stats["pushes"]
