@@ -149,6 +149,7 @@ class RpcAgent:
         self._idle.set()
         self._peers_done: dict[int, set[str]] = {1: set(), 2: set()}  # by barrier phase
         self._dead: set[str] = set()
+        self._phases_reached: set[int] = set()  # barrier phases this worker has announced
         self._barrier_changed = asyncio.Event()
         self.state = "new"
         self.closing_debug_info: dict[str, Any] = {}
@@ -236,21 +237,38 @@ class RpcAgent:
 
     async def _barrier(self, phase: int) -> None:
         self.state = "draining"
+        self._phases_reached.add(phase)
         others = [name for name in self._workers if name != self.info.name]
-        await asyncio.gather(*(self._announce_shutdown(name, phase) for name in others))
+        await asyncio.gather(*(self._announce_shutdown(name) for name in others))
         while not set(others) <= self._peers_done[phase] | self._dead:
             self._barrier_changed.clear()
             await self._barrier_changed.wait()
 
-    async def _announce_shutdown(self, name: str, phase: int) -> None:
-        """Tell ``name`` we reached ``phase``; a peer that cannot be dialled is dead."""
+    async def _announce_shutdown(self, name: str) -> None:
+        """Tell ``name`` the phases we reached; a peer that cannot be dialled is dead."""
         try:
             link = await self._connect(name)
         except (PeerLostError, TimeoutError):
             self._mark_dead(name)
             return
         self._dead.discard(name)  # a lost link earlier, but it is alive: wait for it
-        link.send(Kind.SHUTDOWN, {"rank": self.info.id, "phase": phase})
+        self._send_phases(link)
+
+    def _send_phases(self, link: Link) -> None:
+        """Every phase reached, again (a peer once given up for dead may have missed some;
+        a repeated notice changes nothing)."""
+        for phase in sorted(self._phases_reached):
+            link.send(Kind.SHUTDOWN, {"rank": self.info.id, "phase": phase})
+
+    def _on_shutdown_notice(self, link: Link, phase: Any) -> None:
+        if phase not in self._peers_done:
+            return
+        name = link.peer.name
+        self._peers_done[phase].add(name)
+        if name in self._dead:  # given up for dead (it could not be dialled), yet alive:
+            self._dead.discard(name)  # it waits for our notices, and we for its
+            self._send_phases(link)
+        self._barrier_changed.set()
 
     async def _close(self) -> None:
         self.closing_debug_info = self.debug_info()  # what was left: leaks show here
@@ -480,10 +498,7 @@ class RpcAgent:
         elif kind == Kind.CANCEL:
             self._inbound.on_cancel(link, frame)
         elif kind == Kind.SHUTDOWN:
-            phase = frame.meta.get("phase")
-            if phase in self._peers_done:
-                self._peers_done[phase].add(link.peer.name)
-                self._barrier_changed.set()
+            self._on_shutdown_notice(link, frame.meta.get("phase"))
 
     def link_lost(self, link: Link, exc: BaseException) -> None:
         self._inbound.drop_link(link)

@@ -8,6 +8,7 @@ import struct
 import threading
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import torch
@@ -209,6 +210,25 @@ async def test_shutdown_with_no_time_limit_waits_for_the_peer(
         await asyncio.sleep(0)
     assert not first.done()  # it waits for b, however long
     await asyncio.gather(first, b.shutdown(timeout=0))
+    assert a.state == b.state == "closed"
+
+
+async def test_a_peer_given_up_for_dead_at_shutdown_is_answered_when_it_shows_up(
+    pair: tuple[RpcAgent, RpcAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """a cannot dial b when it first announces its shutdown (b's loop was blocked past
+    the handshake timeout, say) and gives b up for dead; b is alive and announces its
+    own.  a must answer with the notices b missed, or b would wait for them forever."""
+    a, b = pair
+    dial = a._connect
+
+    async def refuse_once(name: str) -> Any:
+        monkeypatch.setattr(a, "_connect", dial)
+        raise PeerLostError(f"handshake with {name!r} timed out (simulated)")
+
+    monkeypatch.setattr(a, "_connect", refuse_once)
+    first = asyncio.ensure_future(a.shutdown())
+    await asyncio.wait_for(asyncio.gather(first, b.shutdown()), 20)
     assert a.state == b.state == "closed"
 
 
