@@ -19,6 +19,13 @@ RESULT_PREFIX = "RESULT "
 
 def run_example(name: str, *args: str, timeout: float = 150.0) -> dict[str, float]:
     """Run ``examples/{name}.py`` with ``args``; return its ``RESULT`` metrics."""
+    return run_example_with_output(name, *args, timeout=timeout)[0]
+
+
+def run_example_with_output(
+    name: str, *args: str, timeout: float = 150.0
+) -> tuple[dict[str, float], str]:
+    """Run ``examples/{name}.py`` with ``args``; return its ``RESULT`` metrics and stdout."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
@@ -42,4 +49,4 @@ def run_example(name: str, *args: str, timeout: float = 150.0) -> dict[str, floa
             key, _, value = line[len(RESULT_PREFIX) :].partition("=")
             results[key.strip()] = float(value)
     assert results, f"{name} printed no RESULT line\n{output}"
-    return results
+    return results, done.stdout

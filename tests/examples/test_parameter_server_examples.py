@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import math
 import re
-import subprocess
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 
-from tests.examples.runner import run_example
+from tests.examples.runner import run_example, run_example_with_output
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
@@ -26,21 +23,6 @@ SERVER_LINE = re.compile(
     r"^server: (\d+) updates in ([\d.]+) s, ([\d.]+) updates/s \((\d+) pushes\)$", re.M
 )
 PLAN_LINE = re.compile(r"^\[ps\] (\d+) trainers x (\d+) pushes; one update per (\d+) pushes$", re.M)
-
-
-@pytest.fixture
-def stdout_of_runs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The stdout of every script ``run_example`` runs (it returns only the metrics)."""
-    seen: list[str] = []
-    real_run: Callable[..., subprocess.CompletedProcess[Any]] = subprocess.run
-
-    def spy(*args: Any, **kwargs: Any) -> subprocess.CompletedProcess[Any]:
-        done = real_run(*args, **kwargs)
-        seen.append(done.stdout)
-        return done
-
-    monkeypatch.setattr(subprocess, "run", spy)
-    return seen
 
 
 def server_stats(stdout: str) -> dict[str, float]:
@@ -63,24 +45,24 @@ def test_parameter_server_trains_the_server_model() -> None:
     assert results["accuracy"] >= LEARNED
 
 
-def test_batch_parameter_server_one_update_per_batch(stdout_of_runs: list[str]) -> None:
-    results = run_example("batch_parameter_server", "--smoke")
+def test_batch_parameter_server_one_update_per_batch() -> None:
+    results, stdout = run_example_with_output("batch_parameter_server", "--smoke")
     assert results["accuracy"] >= LEARNED
-    stats = server_stats(stdout_of_runs[-1])
+    stats = server_stats(stdout)
     assert stats["trainers"] == 2 and stats["batch_update_size"] == 2
     assert stats["pushes"] == stats["trainers"] * stats["steps"]
     assert stats["updates"] == stats["pushes"] / stats["batch_update_size"]
     assert stats["rate"] > 0
 
 
-def test_batch_parameter_server_partial_last_batch(stdout_of_runs: list[str]) -> None:
+def test_batch_parameter_server_partial_last_batch() -> None:
     """3 trainers, 2 pushes per update: 3 x 15 pushes cannot all pair up, and once the
     other trainers are done the last one's pushes must be answered alone (else it would
     wait forever).  How many go alone depends on the interleaving, hence the bounds."""
-    run_example(
+    _, stdout = run_example_with_output(
         "batch_parameter_server", "--world", "4", "--batch-update-size", "2", "--epochs", "1"
     )
-    stats = server_stats(stdout_of_runs[-1])
+    stats = server_stats(stdout)
     assert stats["trainers"] == 3 and stats["batch_update_size"] == 2
     assert stats["pushes"] == 3 * stats["steps"]
     assert math.ceil(stats["pushes"] / 2) <= stats["updates"] < stats["pushes"]
