@@ -13,17 +13,20 @@ Framework* tutorial, written the asyncio way on asyncrpc.  Four workers:
 
 Each trainer step runs in a distributed autograd context: the embedding lookup on
 ``ps`` through the RemoteModule, the DDP Linear locally, ``await
-asyncrpc.autograd.backward(ctx, [loss])`` (which reaches ``ps``), then a
-``DistributedOptimizer`` step over the embedding's parameter RRefs and the Linear's.
+asyncrpc.autograd.backward(ctx, [loss])`` (which reaches ``ps``), then a step of the
+trainer's ``DistributedOptimizer`` over the embedding's parameter RRefs (from
+``remote_parameters()``) and its Linear's (``asyncrpc.RRef(p)``): each owner updates
+its own, and ``ps`` serialises the two trainers' steps on the shared table.
 
 DDP and asyncrpc: DDP averages gradients in hooks that fire when the local autograd
 engine accumulates a parameter's gradient into ``.grad``.  asyncrpc's distributed
 backward instead computes the gradients of the leaves with ``torch.autograd.grad``
 into the context, which does not fire those hooks, so DDP does not synchronise them.
-The trainers therefore average the Linear's context gradients themselves with one
-``all_reduce`` over the same process group before the optimizer step (harmless if the
-gradients were already averaged), and the example checks that the two trainers'
-Linear weights stay identical.
+The trainers therefore average the Linear's gradients in the context themselves
+(``all_reduce`` over the same process group, in place on the tensors that
+``get_gradients`` returns) before the optimizer step, which would be harmless were
+they averaged already, and the example checks that the two trainers' Linear weights
+stay identical.
 
 The task is synthetic but learnable: a bag of random indices is labelled with the
 class a fixed "teacher" table scores highest for the bag (summed over its indices),
@@ -42,6 +45,7 @@ import asyncio
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -55,6 +59,7 @@ from asyncrpc.nn import RemoteModule
 from asyncrpc.optim import DistributedOptimizer
 
 NUM_EMBEDDINGS, EMBEDDING_DIM, CLASSES = 100, 16, 8
+LR = 0.03
 TRAINERS = 2
 
 
@@ -132,21 +137,33 @@ def weights_disagreement(model: HybridModel) -> float:
     return max(float((other - mine).abs().max()) for other in everyone)
 
 
+@dataclass(frozen=True)
+class Schedule:
+    epochs: int
+    batches: int  # per epoch
+    bags: int  # per batch
+
+
 async def run_trainer(
-    remote_emb_module: RemoteModule, rank: int, epochs: int, batches: int, bags: int
+    remote_emb_module: RemoteModule, rank: int, plan: Schedule
 ) -> tuple[list[float], float]:
     """Train on this trainer's data; returns the mean loss per epoch and the final
     largest difference between the trainers' Linear weights."""
-    model = HybridModel(remote_emb_module)
+    # DDP's constructor broadcasts the Linear from trainer0, a blocking collective:
+    # build it off the event loop, which must keep answering the other workers.
+    model = await asyncio.to_thread(HybridModel, remote_emb_module)
+    # The table's parameters (RRefs from ps) and the local Linear's (wrapped here); not
+    # model.parameters(), which would not reach into the RemoteModule.
     params = await model.remote_emb_module.remote_parameters()
     params += [asyncrpc.RRef(p) for p in model.fc.parameters()]
-    opt = DistributedOptimizer(torch.optim.Adam, params, lr=0.03)
+    opt = DistributedOptimizer(torch.optim.Adam, params, lr=LR)
     gen = torch.Generator().manual_seed(1000 + rank)
     scores = teacher()
     epoch_losses = []
-    for epoch in range(epochs):
+    for epoch in range(plan.epochs):
         losses = [
-            await train_step(model, opt, make_batch(gen, bags, scores)) for _ in range(batches)
+            await train_step(model, opt, make_batch(gen, plan.bags, scores))
+            for _ in range(plan.batches)
         ]
         epoch_losses.append(sum(losses) / len(losses))
         gap = await asyncio.to_thread(weights_disagreement, model)
@@ -164,13 +181,13 @@ async def run_master(args: argparse.Namespace) -> None:
     remote_emb_module = RemoteModule(
         "ps/cpu", nn.EmbeddingBag, args=(NUM_EMBEDDINGS, EMBEDDING_DIM), kwargs={"mode": "sum"}
     )
-    epochs = args.epochs or (5 if args.smoke else 20)
+    plan = Schedule(args.epochs or (5 if args.smoke else 20), args.batches, args.bags)
     started = time.monotonic()
     futs = [
         asyncrpc.rpc_async(
             f"trainer{rank}",
             run_trainer,
-            args=(remote_emb_module, rank, epochs, args.batches, args.bags),
+            args=(remote_emb_module, rank, plan),
             timeout=0,
         )
         for rank in range(TRAINERS)
@@ -180,7 +197,7 @@ async def run_master(args: argparse.Namespace) -> None:
     final = sum(losses[-1] for losses, _ in results) / TRAINERS
     gap = max(gap for _, gap in results)
     print(
-        f"[master] {epochs} epochs in {time.monotonic() - started:.1f}s; mean loss "
+        f"[master] {plan.epochs} epochs in {time.monotonic() - started:.1f}s; mean loss "
         f"{initial:.4f} -> {final:.4f}; trainers' Linear weights identical: {gap == 0.0}",
         flush=True,
     )
@@ -189,16 +206,21 @@ async def run_master(args: argparse.Namespace) -> None:
     print(f"RESULT loss_ratio={final / initial:.4f}", flush=True)
 
 
+def init_ddp_group(rank: int) -> None:
+    """DDP's gloo process group: the trainers only, through a store of their own on
+    ``MASTER_PORT + 1`` (asyncrpc rendezvouses on ``MASTER_PORT``).  The store is made
+    explicitly: under torchrun, ``init_method="tcp://..."`` would expect torchrun's
+    agent to host it."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
+    store = dist.TCPStore(host, port, world_size=TRAINERS, is_master=rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=TRAINERS)
+
+
 async def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     if world != TRAINERS + 2:
         raise SystemExit(f"this example runs {TRAINERS + 2} workers, not {world}")
     if rank < TRAINERS:
-        # DDP's process group: the trainers only, on its own port (asyncrpc's store
-        # rendezvous uses MASTER_PORT).
-        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=TRAINERS
-        )
+        init_ddp_group(rank)
     name = {TRAINERS: "master", TRAINERS + 1: "ps"}.get(rank, f"trainer{rank}")
     await asyncrpc.init_rpc(name, rank=rank, world_size=world, init_method="env://")
     if name == "master":

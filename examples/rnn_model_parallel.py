@@ -118,15 +118,19 @@ INDEX = {ch: i for i, ch in enumerate(VOCAB)}
 # -- the two sub-modules that live on the server --------------------------------------
 
 
-class RemoteParameters:
-    """For modules behind an RRef: RRefs of their parameters, made on their owner."""
+class ServerModule(nn.Module):
+    """A module used through an RRef: what its users ask of it besides ``forward``."""
 
     async def parameter_rrefs(self) -> list[asyncrpc.RRef[torch.Tensor]]:
-        assert isinstance(self, nn.Module)
+        """RRefs of its parameters, made here on their owner (for the optimizer)."""
         return [asyncrpc.RRef(p) for p in self.parameters()]
 
+    def set_training(self, mode: bool) -> None:
+        """``train(mode)``, without sending the module back (``train`` returns it)."""
+        self.train(mode)
 
-class EmbeddingTable(nn.Module, RemoteParameters):
+
+class EmbeddingTable(ServerModule):
     """Encoding layers of the RNN model (token ids -> vectors)."""
 
     def __init__(self, ntoken: int, ninp: int, dropout: float) -> None:
@@ -138,7 +142,7 @@ class EmbeddingTable(nn.Module, RemoteParameters):
         return self.drop(self.encoder(tokens))
 
 
-class Decoder(nn.Module, RemoteParameters):
+class Decoder(ServerModule):
     """Decoding layer of the RNN model (LSTM outputs -> token logits)."""
 
     def __init__(self, ntoken: int, nhid: int, dropout: float) -> None:
@@ -197,7 +201,7 @@ def windows(data: torch.Tensor, bptt: int) -> list[tuple[torch.Tensor, torch.Ten
     """Consecutive ``(input, target)`` windows of ``bptt`` steps (truncated BPTT)."""
     return [
         (data[i : i + bptt], data[i + 1 : i + 1 + bptt].reshape(-1))
-        for i in range(0, len(data) - 1 - bptt + 1, bptt)
+        for i in range(0, len(data) - bptt, bptt)
     ]
 
 
@@ -220,8 +224,9 @@ async def train_epoch(
 
 async def sample(model: RNNModel, prompt: str, length: int) -> str:
     """Greedy generation, one character at a time (two RPCs per character)."""
-    await model.emb_table_rref.rpc_async().eval()
-    await model.decoder_rref.rpc_async().eval()
+    await model.emb_table_rref.rpc_async().set_training(False)
+    await model.decoder_rref.rpc_async().set_training(False)
+    model.eval()
     hidden = model.init_hidden(1)
     text = prompt
     with torch.no_grad():

@@ -8,31 +8,12 @@
 from __future__ import annotations
 
 import re
-import subprocess
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 
-from tests.examples import runner
-from tests.examples.runner import run_example
+from tests.examples.runner import run_example, run_example_with_output
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
-
-
-@pytest.fixture
-def stdout(monkeypatch: pytest.MonkeyPatch) -> Callable[[], str]:
-    """The standard output of the example ``run_example`` ran last."""
-    outputs: list[str] = []
-    real_run = subprocess.run
-
-    def recording_run(*args: Any, **kwargs: Any) -> subprocess.CompletedProcess[str]:
-        done: subprocess.CompletedProcess[str] = real_run(*args, **kwargs)
-        outputs.append(done.stdout)
-        return done
-
-    monkeypatch.setattr(runner.subprocess, "run", recording_run)
-    return lambda: outputs[-1]
 
 
 def test_rnn_model_parallel_learns() -> None:
@@ -40,22 +21,20 @@ def test_rnn_model_parallel_learns() -> None:
     assert results["loss_ratio"] <= 0.5, results
 
 
-def test_ddp_rpc_hybrid_learns_and_keeps_replicas_identical(stdout: Callable[[], str]) -> None:
-    results = run_example("ddp_rpc_hybrid", "--smoke")
+def test_ddp_rpc_hybrid_learns_and_keeps_replicas_identical() -> None:
+    results, stdout = run_example_with_output("ddp_rpc_hybrid", "--smoke")
     assert results["loss_ratio"] <= 0.5, results
-    assert "trainers' Linear weights identical: True" in stdout()
-    gaps = re.findall(
-        r"\[trainer(\d)\] epoch .* differ from the other trainer's by (\S+)", stdout()
-    )
+    assert "trainers' Linear weights identical: True" in stdout
+    gaps = re.findall(r"\[trainer(\d)\] epoch .* differ from the other trainer's by (\S+)", stdout)
     assert {rank for rank, _ in gaps} == {"0", "1"}
     assert all(float(gap) == 0.0 for _, gap in gaps), gaps
 
 
-def test_pipeline_parallel_learns_and_times_every_split(stdout: Callable[[], str]) -> None:
-    results = run_example("pipeline_parallel", "--smoke")
+def test_pipeline_parallel_learns_and_times_every_split() -> None:
+    results, stdout = run_example_with_output("pipeline_parallel", "--smoke")
     assert results["loss_ratio"] < 0.5, results
     timed = re.findall(
-        r"\[master\]\s+(\d) splits?\s*: forward\s+([\d.]+) ms, step\s+([\d.]+) ms", stdout()
+        r"\[master\]\s+(\d) splits?\s*: forward\s+([\d.]+) ms, step\s+([\d.]+) ms", stdout
     )
-    assert {splits for splits, _, _ in timed} == {"1", "2", "4"}, stdout()
+    assert {splits for splits, _, _ in timed} == {"1", "2", "4"}, stdout
     assert all(0 < float(forward) < float(step) for _, forward, step in timed), timed
