@@ -95,7 +95,7 @@ class AgentOptions:
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     connect_timeout: float = 30.0
     handshake_timeout: float = 10.0
-    busy_poll: float = DEFAULT_BUSY_POLL
+    busy_poll: float | None = None  # None: DEFAULT_BUSY_POLL while this host has a CPU each
     max_running_per_link: int = 4096
 
 
@@ -131,7 +131,7 @@ class RpcAgent:
         self._loop = asyncio.get_running_loop()
         self._context = contextvars.copy_context()
         self._context.run(_current.set, self)
-        self._poller = BusyPoller(options.busy_poll, self._worth_polling)
+        self._poller = BusyPoller(0.0, self._worth_polling)  # its window is set in join()
         self._inbound = Inbound(
             self, self._context, options.num_worker_threads, options.max_running_per_link
         )
@@ -176,7 +176,16 @@ class RpcAgent:
         """Learn every worker of the job (from rendezvous); calls may start."""
         self._workers = {w.name: w for w in workers}
         self._by_rank = {w.rank: w for w in workers}
+        self._poller.window = self._busy_poll_window(workers)
         self.state = "running"
+
+    def _busy_poll_window(self, workers: list[WorkerAddress]) -> float:
+        """The configured window; by default, polling only while every worker of this
+        host can have a CPU of its own (a spinning loop takes one from a busy peer)."""
+        if self.options.busy_poll is not None:
+            return self.options.busy_poll
+        here = sum(1 for w in workers if w.host == self.identity.host)
+        return DEFAULT_BUSY_POLL if here <= len(os.sched_getaffinity(0)) else 0.0
 
     async def shutdown(self, graceful: bool = True, timeout: float | None = None) -> None:
         """Leave the job.  Graceful: wait for our calls and for every live peer to call

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import struct
 import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 
 from asyncrpc import PeerLostError, RemoteError, RPCTimeoutError
-from asyncrpc.agent import AgentOptions, RpcAgent, async_execution
+from asyncrpc.agent import DEFAULT_BUSY_POLL, AgentOptions, RpcAgent, async_execution
 from asyncrpc.agent.inbound import INLINE_BELOW
 from asyncrpc.errors import LocalProtocolError
 
@@ -271,3 +273,15 @@ async def test_offload_learns_to_run_quick_kinds_on_the_loop(
     slow = 2 * INLINE_BELOW
     assert (await a.offload("slow", thread_and_result, 3, slow))[0] != loop_thread
     assert (await a.offload("slow", thread_and_result, 4))[0] != loop_thread  # still slow
+
+
+async def test_busy_polling_only_while_this_hosts_workers_have_a_cpu_each(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    a, b = pair
+    cpus = len(os.sched_getaffinity(0))
+    assert a._busy_poll_window([a.address, b.address]) == (DEFAULT_BUSY_POLL if cpus >= 2 else 0)
+    crowd = [replace(a.address, name=f"w{i}", rank=i) for i in range(cpus + 1)]
+    assert a._busy_poll_window(crowd) == 0  # one more process than CPUs: no spinning
+    a.options = replace(a.options, busy_poll=1e-3)
+    assert a._busy_poll_window(crowd) == 1e-3  # as configured
