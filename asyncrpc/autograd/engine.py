@@ -12,10 +12,13 @@ for a leaf that is a *recv*, becomes the gradient its sender needs.
 
 After a piece, the worker sends those gradients to each sender at once (one
 RPC per sender), which runs its own piece from the matching sends, and so on.
-A worker replies when everything downstream of it has replied, so the
-initiator's ``backward`` returns exactly when the whole distributed pass is
-done, and any failure anywhere (an exception, a dead worker) comes back up the
-chain to it.  This is FAST mode: gradients are not merged across branches
+Gradients that a piece owes the very worker that asked for it are not sent in
+a call of their own: they travel back in the reply, and that worker runs the
+piece they feed once the reply is in (a two-stage model's backward is then one
+round trip, not two).  A worker replies when everything downstream of it has
+replied, so the initiator's ``backward`` returns exactly when the whole
+distributed pass is done, and any failure anywhere (an exception, a dead
+worker) comes back up the chain to it.  This is FAST mode: gradients are not merged across branches
 before a piece runs; since backward is linear, the accumulated sums are the same.
 
 A piece runs through ``agent.offload``: a training loop runs the same pieces
@@ -47,16 +50,26 @@ async def run_backward(
 ) -> None:
     """Run a piece from ``seeds`` here, then the pieces it feeds, on every worker."""
     outgoing = await agent.offload(_kind_of(seeds), _local_piece, context, seeds)
+    await _pass_on(agent, context, outgoing)
+
+
+async def _pass_on(agent: RpcAgent, context: AutogradContext, outgoing: dict[int, Grads]) -> None:
+    """Send each sender its gradients; run the piece fed by what comes back for us."""
     calls = [
         agent.rpc_async(
             sender,
             _backward_from_sends,
-            (context.id, grads),
+            (context.id, grads, agent.info.id),
             label=f"distributed backward of context {context.id}",
         )
         for sender, grads in outgoing.items()
     ]
-    await asyncio.gather(*calls)
+    back: dict[SendId, torch.Tensor] = {}
+    for grads in await asyncio.gather(*calls):
+        for send_id, grad in grads:
+            back[send_id] = back[send_id] + grad if send_id in back else grad
+    if back:
+        await run_backward(agent, context, [(context.sends[i], g) for i, g in back.items()])
 
 
 def _kind_of(seeds: Seeds) -> tuple[Any, ...]:
@@ -111,11 +124,15 @@ def _reachable_leaves(roots: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(leaves.values())
 
 
-async def _backward_from_sends(context_id: ContextId, grads: Grads) -> None:
-    """On a sender: continue the pass from the tensors it sent, with their gradients."""
+async def _backward_from_sends(context_id: ContextId, grads: Grads, requester: int) -> Grads:
+    """On a sender: continue the pass from the tensors it sent, with their gradients;
+    returns the gradients this piece owes ``requester`` (see the module docstring)."""
     agent = current_agent()
     if agent is None:  # pragma: no cover - always runs inside an agent
         raise AgentStateError("distributed backward outside of a running agent")
     context = contexts_of(agent).get(context_id)
     seeds = [(context.sends[send_id], grad) for send_id, grad in grads]
-    await run_backward(agent, context, seeds)
+    outgoing = await agent.offload(_kind_of(seeds), _local_piece, context, seeds)
+    back = outgoing.pop(requester, [])
+    await _pass_on(agent, context, outgoing)
+    return back

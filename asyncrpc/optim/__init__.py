@@ -81,11 +81,16 @@ class DistributedOptimizer:
         by_owner: dict[int, list[RRef[torch.Tensor]]] = defaultdict(list)
         for param in params_rref:
             by_owner[param.owner().id].append(param)
+        here = current_agent()
+        mine = here.info.id if here is not None else None
+        owners = sorted(by_owner, key=lambda owner: owner == mine)  # ours last: see step()
         self.local_optimizers: list[RRef[_LocalOptimizer]] = [
-            remote(owner, _LocalOptimizer, (optimizer_class, params, args, kwargs))
-            for owner, params in by_owner.items()
+            remote(owner, _LocalOptimizer, (optimizer_class, by_owner[owner], args, kwargs))
+            for owner in owners
         ]
 
     async def step(self, context_id: int) -> None:
-        """Step every owner's optimizer with the gradients of ``context_id`` (at once)."""
+        """Step every owner's optimizer with the gradients of ``context_id`` (at once:
+        the requests to other owners leave before this worker's own step, which may run
+        on the loop right away)."""
         await asyncio.gather(*(opt.rpc_async().step(context_id) for opt in self.local_optimizers))
