@@ -6,7 +6,8 @@ Each framework runs as two fresh worker processes talking over loopback: ``w0``
 calls, ``w1`` serves.  Only one pair runs at a time, so the frameworks never
 compete for cores; a full run alternates torch and asyncrpc for three rounds
 (``--rounds``) so that background load hits both alike.  Each workload warms up
-first; a row reports the median over rounds of each round's median.
+first; a row reports the median over rounds of each round's median.  Every worker
+runs with ``OMP_NUM_THREADS=1``, as torchrun sets for multi-process jobs.
 
 1. no-op round trip: ``noop()`` (a plain function, run in the callee's thread
    pool) called sequentially; per round, the median over batches of the mean
@@ -113,6 +114,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# One intra-op thread per worker process, for both frameworks: what torchrun sets for
+# multi-process jobs (OMP_NUM_THREADS=1), and two processes share this host's cores.
+WORKER_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 def spawn_worker(
     side: str, rank: int, port: int, *, out: Path, quick: bool, cpu: int | None, log: Path
 ) -> subprocess.Popen[bytes]:
@@ -124,6 +130,7 @@ def spawn_worker(
     with log.open("wb") as sink:
         return subprocess.Popen(
             command,
+            env=WORKER_ENV,
             stdin=subprocess.DEVNULL,
             stdout=sink,
             stderr=subprocess.STDOUT,

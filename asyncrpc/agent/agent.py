@@ -598,8 +598,8 @@ class RpcAgent:
         return self._inbound.offload(kind, func, *args)
 
     def _worth_polling(self) -> bool:
-        """Spin while calls are in flight, unless pool threads need the GIL."""
-        return self.state != "closed" and self._inbound.threads_busy == 0
+        """Spin while calls are in flight, unless slow pool jobs need the GIL."""
+        return self.state != "closed" and self._inbound.slow_threads_busy == 0
 
     def _check_usable(self) -> None:
         if self.state not in ("running", "draining"):

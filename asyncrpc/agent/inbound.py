@@ -8,7 +8,10 @@ name) and runs where :func:`~asyncrpc.agent.dispatch.describe` places it:
 * THREAD -- the worker's pool.  The function *and* the serialisation of its
   result run in the pool thread; the encoded reply joins a completion queue,
   and one ``call_soon_threadsafe`` wakes the loop for however many replies
-  are queued by then.
+  are queued by then.  How long each function's last call took is kept: while
+  only calls that proved quick (under ``SPIN_BELOW``) are in the pool, the
+  agent's loop keeps busy-polling for their replies; a slow one would have to
+  share the GIL with a spinning loop, so while one runs the loop sleeps.
 * LOOP -- an ``async def``: a task on the loop.
 * AWAITABLE -- ``@async_execution``: called on the loop; the reply leaves when
   the returned awaitable completes.  Every coroutine (an ``async def`` call, or one
@@ -59,6 +62,7 @@ if TYPE_CHECKING:
 # Seconds.  A trip through a pool thread costs two thread wake-ups (50 to 500 µs on small
 # VMs); stalling the loop for less than a millisecond costs other calls no more than that.
 INLINE_BELOW = 1e-3
+SPIN_BELOW = 200e-6  # seconds: a pool call this quick is waited for by busy-polling
 _KINDS_KEPT = 1024  # learnt job times kept (forgotten all at once past this)
 
 
@@ -88,11 +92,11 @@ class Inbound:
         self._loop = asyncio.get_running_loop()
         self._pool = WorkerPool(threads, f"asyncrpc-{worker}")
         self._links: dict[Link, _LinkCalls] = {}
-        self._completions: deque[tuple[IncomingCall, bool, Any, Undo]] = deque()
+        self._completions: deque[tuple[IncomingCall, bool, Any, Undo, bool]] = deque()
         self._lock = threading.Lock()
         self._drain_scheduled = False
-        self.threads_busy = 0  # calls handed to the pool and not yet back on the loop
-        self._took: dict[Hashable, float] = {}  # seconds the latest offloaded job of a kind took
+        self.slow_threads_busy = 0  # pool jobs not proven quick, not yet back on the loop
+        self._took: dict[Hashable, float] = {}  # seconds the last job of a kind (or function) took
 
     # -- links ---------------------------------------------------------------------
 
@@ -172,8 +176,10 @@ class Inbound:
         placement = describe(func)[0]
         if placement is Placement.THREAD:
             running[call.call_id] = None
-            self.threads_busy += 1
-            self._pool.submit(context.run, self._run_in_thread, call, lambda: func(*args, **kwargs))
+            slow = self._took.get(call.function, SPIN_BELOW) >= SPIN_BELOW
+            self.slow_threads_busy += slow
+            job = lambda: func(*args, **kwargs)  # noqa: E731
+            self._pool.submit(context.run, self._run_in_thread, call, job, slow)
             return
         try:
             if placement is Placement.INLINE:
@@ -201,7 +207,7 @@ class Inbound:
         context = self._context.copy()
         if placement is Placement.THREAD:
             future = self._loop.create_future()
-            self.threads_busy += 1
+            self.slow_threads_busy += 1
             self._pool.submit(context.run, self._invoke_in_thread, future, func, args, kwargs)
             return future
         try:
@@ -235,9 +241,12 @@ class Inbound:
         try:
             return func(*args)
         finally:
-            if len(self._took) >= _KINDS_KEPT:
-                self._took.clear()
-            self._took[kind] = time.perf_counter() - started
+            self._learn(kind, time.perf_counter() - started)
+
+    def _learn(self, kind: Hashable, seconds: float) -> None:
+        if len(self._took) >= _KINDS_KEPT:
+            self._took.clear()
+        self._took[kind] = seconds
 
     @staticmethod
     def _call_on_loop(
@@ -267,7 +276,7 @@ class Inbound:
             self._loop.call_soon_threadsafe(self._settle, future, *outcome)
 
     def _settle(self, future: asyncio.Future[Any], ok: bool, value: Any) -> None:
-        self.threads_busy -= 1
+        self.slow_threads_busy -= 1
         if future.done():
             return
         if ok:
@@ -291,8 +300,9 @@ class Inbound:
         if self._retire(call):
             self._send_result(call, result)
 
-    def _run_in_thread(self, call: IncomingCall, run: Callable[[], Any]) -> None:
+    def _run_in_thread(self, call: IncomingCall, run: Callable[[], Any], slow: bool) -> None:
         """In a pool thread: run the function and encode its reply right here."""
+        started = time.perf_counter()
         reverts: Undo = []
         try:
             payload, buffers, reverts = dumps_for(self._agent, call.link.peer.rank, False, run())
@@ -303,7 +313,8 @@ class Inbound:
         except BaseException as exc:
             undo(reverts)
             outcome = (False, exc)
-        self._completions.append((call, *outcome, reverts))
+        self._learn(call.function, time.perf_counter() - started)
+        self._completions.append((call, *outcome, reverts, slow))
         with self._lock:
             if self._drain_scheduled:
                 return
@@ -316,8 +327,8 @@ class Inbound:
         with self._lock:
             self._drain_scheduled = False
         while self._completions:
-            call, ok, value, reverts = self._completions.popleft()
-            self.threads_busy -= 1
+            call, ok, value, reverts, slow = self._completions.popleft()
+            self.slow_threads_busy -= slow
             if not self._retire(call):
                 undo(reverts)  # the reply will never leave
                 continue
