@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from asyncrpc.agent.dispatch import describe, unpack_error
+from asyncrpc.agent.dispatch import function_name, unpack_error
 from asyncrpc.agent.inbound import Inbound
 from asyncrpc.agent.polling import BusyPoller
 from asyncrpc.agent.transfer import Undo, carried, dumps_for, loads_from, undo
@@ -327,7 +327,7 @@ class RpcAgent:
         self._check_usable()
         target = self.resolve(to)
         peer = target.name
-        name = label or describe(func)[1]
+        name = label or function_name(func)
         payload, buffers, reverts = dumps_for(
             self, target.rank, True, (func, args or (), kwargs or {})
         )

@@ -74,9 +74,11 @@ _placements: dict[Any, tuple[Placement, str]] = {}
 
 
 def describe(fn: Any) -> tuple[Placement, str]:
-    """Where ``fn`` runs and its readable name; cached for plain functions and builtins
-    (not for bound builtin methods such as ``tensor.add_``: the cache would keep their
-    object alive)."""
+    """Where ``fn`` runs and its readable name; cached for plain functions and builtins,
+    and so for Python methods, which run as their function would (not for bound builtin
+    methods such as ``tensor.add_``: the cache would keep their object alive)."""
+    if isinstance(fn, types.MethodType):  # a Python method runs as its function would
+        return describe(fn.__func__)
     cacheable = isinstance(fn, _CACHEABLE) and isinstance(
         getattr(fn, "__self__", None), (types.ModuleType, type(None))
     )
