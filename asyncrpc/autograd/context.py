@@ -115,16 +115,21 @@ class AutogradContexts:
     def new_send_id(self) -> SendId:
         return (self.rank, next(self._serials))
 
-    def release_everywhere(self, context_id: ContextId) -> list[asyncio.Future[Any]]:
-        """Release ``context_id`` here and, without waiting, on every worker it reached;
-        returns those releases (each done once its worker and those downstream are)."""
+    def release_everywhere(
+        self, context_id: ContextId, covered: frozenset[int] = frozenset()
+    ) -> list[asyncio.Future[Any]]:
+        """Release ``context_id`` here and, without waiting, on every worker it reached
+        but those ``covered`` (already released, or told by someone else); returns those
+        releases (each done once its worker and those downstream are)."""
         released = self.release(context_id)
         if released is None:
             return []
+        peers = released.peers - covered - {self.rank}
+        covered |= peers | {self.rank}
         calls = []
-        for peer in sorted(released.peers - {self.rank}):
+        for peer in sorted(peers):
             try:
-                call = self.agent.rpc_async(peer, _release_here, (context_id,))
+                call = self.agent.rpc_async(peer, _release_here, (context_id, covered))
             except Exception as exc:  # e.g. shutting down: the peer's close frees it
                 log.warning("cannot release autograd context %d on %d: %s", context_id, peer, exc)
                 continue
@@ -164,12 +169,13 @@ def contexts_of(agent: RpcAgent) -> AutogradContexts:
     return agent.extension("autograd", AutogradContexts)
 
 
-async def _release_here(context_id: ContextId) -> None:
-    """On a worker that took part: release here and downstream; reply when all are."""
+async def _release_here(context_id: ContextId, covered: frozenset[int]) -> None:
+    """On a worker that took part: release here and on the workers it reached that are
+    not ``covered`` yet; reply when all are done."""
     agent = current_agent()
     if agent is None:  # pragma: no cover - always runs inside an agent
         raise AgentStateError("autograd release outside of a running agent")
-    await asyncio.gather(*contexts_of(agent).release_everywhere(context_id))
+    await asyncio.gather(*contexts_of(agent).release_everywhere(context_id, covered))
 
 
 # -- recording sends and recvs as tensors are (un)pickled ----------------------------
