@@ -42,6 +42,7 @@ async def init_rpc(
     listen_host: str | None = None,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
     busy_poll: float | None = None,
+    handshake_timeout: float = 10.0,
 ) -> None:
     """Join the job as worker ``name`` and start serving calls.
 
@@ -55,7 +56,9 @@ async def init_rpc(
     the event loop polling that long after activity instead of sleeping, which
     saves a wake-up per message on VMs at the cost of CPU while calls are in
     flight; by default 300 µs while this host's workers have a CPU each, else 0.
-    Returns once every worker has joined.
+    ``handshake_timeout`` bounds a new connection's authentication: a peer whose
+    event loop is blocked longer cannot be reached meanwhile (keep loops free of
+    long blocking work rather than raising it).  Returns once every worker has joined.
     """
     running = current_agent()
     if running is not None and running.state != "closed":
@@ -79,6 +82,7 @@ async def init_rpc(
         listen_host=listen_host,
         max_frame_size=max_frame_size,
         busy_poll=busy_poll,
+        handshake_timeout=handshake_timeout,
     )
     agent = RpcAgent(name, rank, secret, options)
     me = await agent.start()

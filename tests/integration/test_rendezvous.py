@@ -48,3 +48,23 @@ def test_duplicate_worker_names_fail_on_every_rank(tmp_path: Path) -> None:
     for worker in run_job("rendezvous", env=env):
         assert worker.result["init_error"] == "ValueError"
         assert "'same'" in worker.result["message"]
+
+
+async def test_init_rpc_passes_its_options_to_the_agent(tmp_path: Path) -> None:
+    import asyncrpc
+    from asyncrpc.agent import current_agent
+
+    await asyncrpc.init_rpc(
+        "solo",
+        rank=0,
+        world_size=1,
+        init_method=f"file://{tmp_path / 'store'}",
+        handshake_timeout=3.5,
+        busy_poll=0,
+    )
+    try:
+        agent = current_agent()
+        assert agent is not None
+        assert (agent.options.handshake_timeout, agent.options.busy_poll) == (3.5, 0)
+    finally:
+        await asyncrpc.shutdown()
