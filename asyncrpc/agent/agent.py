@@ -150,6 +150,9 @@ class RpcAgent:
         self._peers_done: dict[int, set[str]] = {1: set(), 2: set()}  # by barrier phase
         self._dead: set[str] = set()
         self._phases_reached: set[int] = set()  # barrier phases this worker has announced
+        # Frames that arrive before join(): a peer that finished the rendezvous first may
+        # call us already, and our calls' handlers need to know every worker.
+        self._early_frames: list[tuple[Link, Frame]] | None = []
         self._barrier_changed = asyncio.Event()
         self.state = "new"
         self.closing_debug_info: dict[str, Any] = {}
@@ -178,6 +181,10 @@ class RpcAgent:
         self._by_rank = {w.rank: w for w in workers}
         self._poller.window = self._busy_poll_window(workers)
         self.state = "running"
+        early, self._early_frames = self._early_frames or [], None
+        for link, frame in early:
+            if not link.closed:
+                self.frame_received(link, frame)
 
     def _busy_poll_window(self, workers: list[WorkerAddress]) -> float:
         """The configured window; by default, polling only while every worker of this
@@ -498,6 +505,9 @@ class RpcAgent:
             self._inbound.add_link(link)
 
     def frame_received(self, link: Link, frame: Frame) -> None:
+        if self._early_frames is not None:  # not joined yet: handled in join()
+            self._early_frames.append((link, frame))
+            return
         self._poller.kick()
         kind = frame.kind
         if kind == Kind.REQUEST:

@@ -16,7 +16,14 @@ import pytest
 import torch
 
 from asyncrpc import PeerLostError, RemoteError, RPCTimeoutError
-from asyncrpc.agent import DEFAULT_BUSY_POLL, AgentOptions, RpcAgent, async_execution, inbound
+from asyncrpc.agent import (
+    DEFAULT_BUSY_POLL,
+    AgentOptions,
+    RpcAgent,
+    async_execution,
+    current_agent,
+    inbound,
+)
 from asyncrpc.errors import LocalProtocolError
 
 pytestmark = pytest.mark.timeout(30)
@@ -288,3 +295,47 @@ async def test_busy_polling_only_while_this_hosts_workers_have_a_cpu_each(
     assert a._busy_poll_window(crowd) == 0  # one more process than CPUs: no spinning
     a.options = replace(a.options, busy_poll=1e-3)
     assert a._busy_poll_window(crowd) == 1e-3  # as configured
+
+
+async def call_back_the_caller() -> str:
+    """Runs on b: needs b to know every worker, as any call that calls onwards does."""
+    agent = current_agent()
+    assert agent is not None
+    return str(await agent.rpc_async(0, function_name_of_agent))
+
+
+def function_name_of_agent() -> str:
+    agent = current_agent()
+    assert agent is not None
+    return agent.info.name
+
+
+class Arrivals(list[Any]):
+    """A list that says when something is appended to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.changed = asyncio.Event()
+
+    def append(self, item: Any) -> None:
+        super().append(item)
+        self.changed.set()
+
+
+async def test_a_call_that_arrives_before_join_waits_for_it() -> None:
+    """A peer that finished the rendezvous first may call a worker that has not joined
+    yet; the call must run once it has, not fail because it knows no workers."""
+    options = AgentOptions(transports=("unix",), rpc_timeout=10)
+    a, b = (RpcAgent(name, rank, SECRET, options) for rank, name in enumerate("ab"))
+    addresses = [await a.start(), await b.start()]
+    a.join(addresses)
+    arrived = Arrivals()
+    b._early_frames = arrived
+    try:
+        call = a.rpc_async("b", call_back_the_caller)
+        await asyncio.wait_for(arrived.changed.wait(), 10)
+        assert not call.done()
+        b.join(addresses)
+        assert await asyncio.wait_for(call, 10) == "a"
+    finally:
+        await asyncio.gather(a.shutdown(graceful=False), b.shutdown(graceful=False))
