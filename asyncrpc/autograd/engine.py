@@ -18,8 +18,9 @@ piece they feed once the reply is in (a two-stage model's backward is then one
 round trip, not two).  A worker replies when everything downstream of it has
 replied, so the initiator's ``backward`` returns exactly when the whole
 distributed pass is done, and any failure anywhere (an exception, a dead
-worker) comes back up the chain to it.  This is FAST mode: gradients are not merged across branches
-before a piece runs; since backward is linear, the accumulated sums are the same.
+worker) comes back up the chain to it.  This is FAST mode: gradients are not
+merged across branches before a piece runs; since backward is linear, the
+accumulated sums are the same.
 
 A piece runs through ``agent.offload``: a training loop runs the same pieces
 step after step, so a piece whose kind (its roots' shapes, dtypes and graph
@@ -47,10 +48,14 @@ async def run_backward(
     agent: RpcAgent,
     context: AutogradContext,
     seeds: Seeds,
-) -> None:
-    """Run a piece from ``seeds`` here, then the pieces it feeds, on every worker."""
+    requester: int | None = None,
+) -> Grads:
+    """Run a piece from ``seeds`` here, then the pieces it feeds, on every worker;
+    returns the gradients the piece owes ``requester`` (not sent: see the module doc)."""
     outgoing = await agent.offload(_kind_of(seeds), _local_piece, context, seeds)
+    back = outgoing.pop(requester, []) if requester is not None else []
     await _pass_on(agent, context, outgoing)
+    return back
 
 
 async def _pass_on(agent: RpcAgent, context: AutogradContext, outgoing: dict[int, Grads]) -> None:
@@ -132,7 +137,4 @@ async def _backward_from_sends(context_id: ContextId, grads: Grads, requester: i
         raise AgentStateError("distributed backward outside of a running agent")
     context = contexts_of(agent).get(context_id)
     seeds = [(context.sends[send_id], grad) for send_id, grad in grads]
-    outgoing = await agent.offload(_kind_of(seeds), _local_piece, context, seeds)
-    back = outgoing.pop(requester, [])
-    await _pass_on(agent, context, outgoing)
-    return back
+    return await run_backward(agent, context, seeds, requester)
