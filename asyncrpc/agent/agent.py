@@ -374,8 +374,6 @@ class RpcAgent:
         except Exception as exc:  # e.g. no shared memory left: the call fails, visibly
             undo(request.undo)
             self._finish(request.call_id, error=exc)
-            return
-        self._poller.kick()
 
     async def _send_after_dial(self, peer: str, request: OutgoingRequest) -> None:
         try:
@@ -518,6 +516,9 @@ class RpcAgent:
             self._inbound.on_cancel(link, frame)
         elif kind == Kind.SHUTDOWN:
             self._on_shutdown_notice(link, frame.meta.get("phase"))
+
+    def frames_sent(self, link: Link) -> None:
+        self._poller.kick()  # a request or a reply left: an answer, or the next call, may follow
 
     def link_lost(self, link: Link, exc: BaseException) -> None:
         self._inbound.drop_link(link)

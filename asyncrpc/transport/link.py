@@ -54,6 +54,7 @@ class LinkHandler(Protocol):
 
     def link_established(self, link: Link) -> None: ...
     def frame_received(self, link: Link, frame: Frame) -> None: ...
+    def frames_sent(self, link: Link) -> None: ...
     def link_lost(self, link: Link, exc: BaseException) -> None: ...
 
 
@@ -211,6 +212,7 @@ class Link(asyncio.BufferedProtocol):
         as soon as FLUSH_PARTS are waiting (bursts become few system calls)."""
         if self.closed:
             return
+        self.handler.frames_sent(self)
         if not (self._flush_scheduled or self._outbox or self._paused) and self._transport:
             self._transport.writelines(parts)
             self._flush_scheduled = True  # marks "wrote this turn": the rest coalesce
