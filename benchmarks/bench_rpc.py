@@ -4,9 +4,11 @@ What it measures
 ----------------
 Each framework runs as two fresh worker processes talking over loopback: ``w0``
 calls, ``w1`` serves.  Only one pair runs at a time, so the frameworks never
-compete for cores; a full run alternates torch and asyncrpc for three rounds
-(``--rounds``) so that background load hits both alike.  Each workload warms up
-first; a row reports the median over rounds of each round's median.  Every worker
+compete for cores; a full run alternates torch and asyncrpc for five rounds
+(``--rounds``) so that background load hits both alike.  On a shared VM a whole
+round can land in a slow spell (round medians of one workload have differed by
+2x within a run), hence five.  Each workload warms up first; a row reports the
+median over rounds of each round's median.  Every worker
 runs with ``OMP_NUM_THREADS=1``, as torchrun sets for multi-process jobs.
 
 1. no-op round trip: ``noop()`` (a plain function, run in the callee's thread
@@ -471,7 +473,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--rounds",
         type=int,
         metavar="N",
-        help="fresh process pairs per framework, alternating (default 3; quick 1)",
+        help="fresh process pairs per framework, alternating (default 5; quick 1)",
     )
     parser.add_argument(
         "--pin",
@@ -481,7 +483,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write raw numbers here")
     args = parser.parse_args(argv)
     if args.rounds is None:
-        args.rounds = 1 if args.quick else 3
+        args.rounds = 1 if args.quick else 5
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     return args
