@@ -6,8 +6,17 @@ A process that sleeps in ``epoll_wait`` pays a wake-up when the reply lands;
 on virtual machines waking an idle vCPU costs tens of microseconds, more than
 the rest of a small call.  After activity (a request or reply sent, a frame
 received), the poller keeps the event loop turning (one ``call_soon`` per
-iteration, so each turn polls the sockets with a zero timeout) for at most
-``window`` seconds, and only while ``wanted()`` says it is worth it.
+iteration, so each turn polls the sockets with a zero timeout) for a while,
+and only while ``wanted()`` says it is worth it.
+
+How long adapts to the traffic, as a guest's halt-polling does: it starts at
+the configured ``window``.  When polling ran out and the next activity came
+soon after, within ``MAX_FACTOR`` windows of the last one, a slightly longer
+poll would have caught it, so the window grows to cover that gap (a training
+step's messages are a few hundred microseconds apart, one side computing in
+between).  When the next activity came later than that, polling was wasted,
+and the window halves, down to the configured one.  It never exceeds
+``MAX_FACTOR`` times the configured window.
 
 Each turn also yields the CPU (``sched_yield``, without the GIL): a spinning
 loop must not keep a thread that has real work off its CPU.  On a host with
@@ -26,29 +35,65 @@ import os
 import time
 from collections.abc import Callable
 
+MAX_FACTOR = 8
+"""The adapted window stays within this many configured windows."""
+GROWTH = 1.25
+"""A grown window covers the gap it missed with this much to spare."""
+
 
 class BusyPoller:
     """Keeps one event loop polling briefly after activity; see the module docstring."""
 
-    def __init__(self, window: float, wanted: Callable[[], bool]) -> None:
-        self.window = window
+    def __init__(
+        self,
+        window: float,
+        wanted: Callable[[], bool],
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self._wanted = wanted
+        self._clock = clock
         self._loop = asyncio.get_running_loop()
         self._until = 0.0
         self._active = False
+        self._ran_out_at: float | None = None  # polling found nothing until then
+        self.window = window
+
+    @property
+    def window(self) -> float:
+        """The configured window (seconds); the adapted one starts there."""
+        return self._window
+
+    @window.setter
+    def window(self, seconds: float) -> None:
+        self._window = self.current = seconds
 
     def kick(self) -> None:
-        """Activity happened: poll for up to ``window`` seconds from now."""
-        if self.window <= 0:
+        """Activity happened: poll for up to the current window from now."""
+        if self._window <= 0:
             return
-        self._until = time.perf_counter() + self.window
+        now = self._clock()
+        if self._ran_out_at is not None:
+            self._adapt(gap=now - (self._ran_out_at - self.current))
+            self._ran_out_at = None
+        self._until = now + self.current
         if not self._active:
             self._active = True
             self._loop.call_soon(self._turn)
 
+    def _adapt(self, gap: float) -> None:
+        """The last poll ran out; activity came ``gap`` seconds after the one before."""
+        longest = self._window * MAX_FACTOR
+        if gap <= longest:
+            self.current = min(longest, max(self.current, gap * GROWTH))
+        else:
+            self.current = max(self._window, self.current / 2)
+
     def _turn(self) -> None:
         os.sched_yield()  # see the module docstring
-        if time.perf_counter() < self._until and self._wanted():
+        now = self._clock()
+        if now < self._until and self._wanted():
             self._loop.call_soon(self._turn)
-        else:
-            self._active = False
+            return
+        self._active = False
+        if now >= self._until:
+            self._ran_out_at = self._until
