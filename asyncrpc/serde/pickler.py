@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from asyncrpc.errors import AsyncRPCError, SerializationError
-from asyncrpc.serde.tensors import dump_tensor, is_plain, load_tensor
+from asyncrpc.serde.tensors import dump_tensor, load_tensor
 
 _REDUCERS: dict[type, Callable[[Any], Any]] = {}
 
@@ -44,10 +44,13 @@ def register_reducer(cls: type, reducer: Callable[[Any], Any]) -> None:
 def reduce_tensor(obj: Any) -> Any:
     """The out-of-band reduction of a plain tensor (else ``NotImplemented``): for reducers
     registered for tensor types that fall back to the usual form."""
-    if isinstance(obj, torch.Tensor) and is_plain(obj):
-        meta, view = dump_tensor(obj)
-        return load_tensor, (meta, pickle.PickleBuffer(view))
-    return NotImplemented
+    if not isinstance(obj, torch.Tensor):
+        return NotImplemented
+    dumped = dump_tensor(obj)
+    if dumped is None:
+        return NotImplemented
+    meta, view = dumped
+    return load_tensor, (meta, pickle.PickleBuffer(view))
 
 
 class _Pickler(pickle.Pickler):

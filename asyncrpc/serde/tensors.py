@@ -21,6 +21,7 @@ device has finished, and land on the same device index on the receiver.
 from __future__ import annotations
 
 import ctypes
+import math
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ TensorMeta = tuple[str, tuple[int, ...], tuple[int, ...], bool, str, bool]
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
 }
+_DTYPE_NAMES: dict[torch.dtype, str] = {d: name for name, d in _DTYPES.items()}
 
 
 def byte_view(tensor: torch.Tensor, nbytes: int) -> memoryview:
@@ -44,40 +46,49 @@ def byte_view(tensor: torch.Tensor, nbytes: int) -> memoryview:
     return memoryview(array).cast("B")
 
 
-def _span(tensor: torch.Tensor) -> int:
+def _span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     """Number of storage elements between the first and last element, inclusive."""
-    if tensor.numel() == 0:
+    if 0 in shape:
         return 0
-    return 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    return 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
 
 
-def is_plain(tensor: torch.Tensor) -> bool:
-    """Whether we serialise this tensor ourselves (strided, not quantized, not meta)."""
-    return (
-        tensor.layout is torch.strided
-        and not tensor.is_quantized
-        and tensor.device.type in ("cpu", "cuda")
-    )
+def dump_tensor(tensor: torch.Tensor) -> tuple[TensorMeta, memoryview] | None:
+    """Split a tensor into header meta and a zero-copy view of its bytes; None for a
+    tensor we do not serialise ourselves (not strided, quantized, or on a meta device).
 
-
-def dump_tensor(tensor: torch.Tensor) -> tuple[TensorMeta, memoryview]:
-    """Split a tensor into header meta and a zero-copy view of its bytes."""
-    device = str(tensor.device)
-    data = tensor.detach().resolve_conj().resolve_neg()  # lazy bits are not in the bytes
-    if data.device.type == "cuda":
-        torch.cuda.synchronize(data.device)  # whichever stream produced it has finished
-        data = data.cpu()
-    if _span(data) > data.numel():
-        data = data.contiguous()
+    Written for few calls into torch: each costs a microsecond or more once the caches
+    have gone cold between messages, and a small tensor's dump is made of little else.
+    """
+    device = tensor.device
+    if (
+        device.type not in ("cpu", "cuda")
+        or tensor.layout is not torch.strided
+        or tensor.is_quantized
+    ):
+        return None
+    data = tensor
+    if data.is_conj() or data.is_neg():  # lazy bits are not in the bytes
+        data = data.detach().resolve_conj().resolve_neg()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # whichever stream produced it has finished
+        data = data.detach().cpu()
+    shape, stride = tuple(data.shape), data.stride()
+    span = _span(shape, stride)
+    if span > math.prod(shape):  # a view with gaps: send its elements only
+        data = data.detach().contiguous()
+        stride = data.stride()
+        span = math.prod(shape)
+    dtype = data.dtype
     meta: TensorMeta = (
-        str(data.dtype).removeprefix("torch."),
-        tuple(data.shape),
-        tuple(data.stride()),
+        _DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch."),
+        shape,
+        stride,
         tensor.requires_grad,
-        device,
+        "cpu" if device.type == "cpu" else str(device),
         isinstance(tensor, torch.nn.Parameter),
     )
-    return meta, byte_view(data, _span(data) * data.element_size())
+    return meta, byte_view(data, span * dtype.itemsize)
 
 
 def load_tensor(meta: TensorMeta, buffer: Any) -> torch.Tensor:
@@ -87,13 +98,12 @@ def load_tensor(meta: TensorMeta, buffer: Any) -> torch.Tensor:
     if dtype is None:
         raise SerializationError(f"unknown tensor dtype {dtype_name!r}")
     raw = _as_uint8(buffer)
-    flat = raw.view(dtype) if raw.numel() else torch.empty(0, dtype=dtype)
-    tensor = (
-        flat.as_strided(shape, stride)
-        if flat.numel()
-        else torch.empty_strided(shape, stride, dtype=dtype)
-    )
-    tensor = _to_device(tensor, device)
+    if _span(shape, stride) == 0:
+        tensor = torch.empty_strided(shape, stride, dtype=dtype)
+    else:
+        tensor = raw.view(dtype).as_strided(shape, stride)
+    if device != "cpu":
+        tensor = _to_device(tensor, device)
     if is_parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     return tensor.requires_grad_(requires_grad) if requires_grad else tensor
