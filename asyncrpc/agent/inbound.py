@@ -182,8 +182,8 @@ class Inbound:
             self._pool.submit(context.run, self._run_in_thread, call, job, slow)
             return
         try:
-            if placement is Placement.INLINE:
-                self._send_result(call, context.run(func, *args, **kwargs))
+            if placement is Placement.INLINE:  # the reply is pickled in the call's context too
+                context.run(self._send_inline_result, call, func, args, kwargs)
                 return
             handler = self._call_on_loop(placement, context, func, args, kwargs)
             if isinstance(handler, Coroutine):
@@ -197,6 +197,15 @@ class Inbound:
             return
         running[call.call_id] = future
         future.add_done_callback(lambda f: self._reply_future(call, f), context=context)
+
+    def _send_inline_result(
+        self,
+        call: IncomingCall,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        self._send_result(call, func(*args, **kwargs))
 
     def invoke(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncrpc import RRef, autograd, nn, optim, remote
-from asyncrpc.agent import AgentOptions, RpcAgent, set_default_agent
+from asyncrpc.agent import AgentOptions, RpcAgent, async_execution, on_loop, set_default_agent
 from asyncrpc.autograd.context import contexts_of
 
 pytestmark = pytest.mark.timeout(60)
@@ -101,6 +101,40 @@ async def test_two_stage_chain(trio: Agents) -> None:
     assert close(got_a, want_a) and close(got_b, want_b)
     assert w_a.grad is None and W_B.grad is None  # gradients live in the context
     assert (await contexts_everywhere(trio)) == [0, 0, 0]
+
+
+async def stage_b_task(h: torch.Tensor) -> torch.Tensor:
+    return stage_b(h)
+
+
+@async_execution
+def stage_b_awaitable(h: torch.Tensor) -> asyncio.Future[torch.Tensor]:
+    done: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
+    done.set_result(stage_b(h))
+    return done
+
+
+@on_loop
+def stage_b_inline(h: torch.Tensor) -> torch.Tensor:
+    return stage_b(h)
+
+
+@pytest.mark.parametrize(
+    "callee",
+    [stage_b, stage_b_task, stage_b_awaitable, stage_b_inline],
+    ids=["thread", "loop", "awaitable", "inline"],
+)
+async def test_results_are_recorded_wherever_the_callee_runs(
+    trio: Agents, callee: Callable[[torch.Tensor], Any]
+) -> None:
+    a, b, _ = trio
+    w_a, x = weights(5, 4, seed=3), weights(2, 5, seed=4).detach()
+    async with autograd.context() as ctx:
+        y = await a.rpc_async("b", callee, (x @ w_a,))
+        await autograd.backward(ctx, [y.sum()])
+        got_a, got_b = autograd.get_gradients(ctx)[w_a], grads_on(b, ctx)[W_B]
+    want_a, want_b = local_grads(lambda: stage_b(x @ w_a).sum(), [w_a, W_B])
+    assert close(got_a, want_a) and close(got_b, want_b)
 
 
 async def test_nested_calls_across_three_workers(trio: Agents) -> None:
