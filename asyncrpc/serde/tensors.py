@@ -98,7 +98,7 @@ def load_tensor(meta: TensorMeta, buffer: Any) -> torch.Tensor:
     if dtype is None:
         raise SerializationError(f"unknown tensor dtype {dtype_name!r}")
     raw = _as_uint8(buffer)
-    if _span(shape, stride) == 0:
+    if 0 in shape:  # no elements: nothing was sent
         tensor = torch.empty_strided(shape, stride, dtype=dtype)
     else:
         tensor = raw.view(dtype).as_strided(shape, stride)
