@@ -9,6 +9,7 @@ from asyncrpc.agent.agent import (
     set_default_agent,
 )
 from asyncrpc.agent.dispatch import async_execution, on_loop
+from asyncrpc.agent.notices import on_notice
 from asyncrpc.agent.transfer import Transfer, current_transfer, propagate
 from asyncrpc.agent.worker import WorkerAddress, WorkerInfo, validate_name
 
@@ -22,6 +23,7 @@ __all__ = (
     "WorkerInfo",
     "async_execution",
     "on_loop",
+    "on_notice",
     "propagate",
     "current_agent",
     "current_transfer",

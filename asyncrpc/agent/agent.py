@@ -42,6 +42,7 @@ from typing import Any, Protocol, TypeVar
 
 from asyncrpc.agent.dispatch import function_name, unpack_error
 from asyncrpc.agent.inbound import Inbound
+from asyncrpc.agent.notices import Notices, delivered, handle
 from asyncrpc.agent.polling import BusyPoller
 from asyncrpc.agent.transfer import Undo, carried, dumps_for, loads_from, undo
 from asyncrpc.agent.worker import WorkerAddress, WorkerInfo
@@ -143,6 +144,7 @@ class RpcAgent:
         self._links: dict[str, Link] = {}  # outgoing, by peer name
         self._dials: dict[str, asyncio.Future[Link]] = {}
         self._pending: dict[int, PendingCall] = {}
+        self._notices = Notices()
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Future[Any]] = set()
         self._idle = asyncio.Event()
@@ -272,7 +274,10 @@ class RpcAgent:
 
     def _send_phases(self, link: Link) -> None:
         """Every phase reached, again (a peer once given up for dead may have missed some;
-        a repeated notice changes nothing)."""
+        a repeated notice changes nothing), after the notices queued for it."""
+        notices = self._notices.take(link.peer.name)
+        if notices:
+            link.send(Kind.NOTICE, {"n": notices})
         for phase in sorted(self._phases_reached):
             link.send(Kind.SHUTDOWN, {"rank": self.info.id, "phase": phase})
 
@@ -360,6 +365,9 @@ class RpcAgent:
         context_values = carried()
         if context_values:
             meta["c"] = context_values
+        notices = self._notices.take(peer)
+        if notices:
+            meta["n"] = notices
         request = OutgoingRequest(call_id, meta, payload, buffers, reverts)
         link = self._links.get(peer)
         if link is not None:
@@ -367,6 +375,35 @@ class RpcAgent:
         else:
             self._spawn(self._send_after_dial(peer, request))
         return call.future
+
+    def notify(self, to: str | int | WorkerInfo, key: str, *args: Any) -> None:
+        """Queue a one-way notice for a peer (see :mod:`asyncrpc.agent.notices`): it rides
+        on our next request to that peer, or leaves on its own once the loop gets to it."""
+        self._check_usable()
+        if self._notices.add(self.resolve(to).name, [key, *args]):
+            self._loop.call_soon(self._send_notices)
+
+    async def notices_delivered(self) -> None:
+        """Wait until every peer sent a notice so far has handled it."""
+        self._send_notices()
+        told, self._notices.told = self._notices.told, set()
+        await asyncio.gather(*(self.rpc_async(peer, delivered) for peer in sorted(told)))
+
+    def _send_notices(self) -> None:
+        for peer, notices in self._notices.take_all().items():
+            link = self._links.get(peer)
+            if link is not None:
+                link.send(Kind.NOTICE, {"n": notices})
+            else:
+                self._spawn(self._send_notices_after_dial(peer, notices))
+
+    async def _send_notices_after_dial(self, peer: str, notices: list[Any]) -> None:
+        try:
+            link = await self._connect(peer)
+        except Exception as exc:  # a lost peer needs none of them any more
+            log.debug("notices for %r dropped: %s", peer, exc)
+            return
+        link.send(Kind.NOTICE, {"n": notices})
 
     def _send_request(self, link: Link, request: OutgoingRequest) -> None:
         try:
@@ -507,6 +544,9 @@ class RpcAgent:
             self._early_frames.append((link, frame))
             return
         self._poller.kick()
+        notices = frame.meta.get("n")
+        if notices is not None:
+            handle(self, link.peer.rank, notices)
         kind = frame.kind
         if kind == Kind.REQUEST:
             self._inbound.on_request(link, frame)
@@ -555,6 +595,7 @@ class RpcAgent:
             "rank": self.info.id,
             "state": self.state,
             "pending_outgoing_calls": len(self._pending),
+            "queued_notices": len(self._notices),
             "running_incoming_calls": self._inbound.running,
             "connected_peers": sorted(peers),
             "dead_peers": sorted(self._dead),

@@ -20,16 +20,16 @@ walks it piece by piece.  Gradients accumulate in the context (keyed by leaf
 tensor), never in ``.grad``, so concurrent contexts do not mix.
 
 Each context also remembers the workers it exchanged tensors with; releasing
-a context releases it there too, transitively, so it is freed everywhere.  The
-worker that leaves the context does not wait for those releases (a training
-step should not pay a round trip for them); it keeps them in flight, and
-graceful shutdown waits for them.  A release's reply means every worker
-downstream has released too.
+a context releases it there too, transitively, so it is freed everywhere.  A
+release is a one-way notice (:mod:`asyncrpc.agent.notices`) that names the
+workers already covered, so none is told twice: no reply, and no message of its
+own in a training loop, where it rides on the next step's first request.
+Graceful shutdown sends what is queued before its own notices, so every release
+is handled before anyone closes.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import itertools
 import logging
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from asyncrpc.agent import RpcAgent, current_agent, current_transfer, propagate
+from asyncrpc.agent import RpcAgent, current_transfer, on_notice, propagate
 from asyncrpc.errors import AgentStateError
 from asyncrpc.serde import reduce_tensor, register_reducer
 
@@ -86,7 +86,6 @@ class AutogradContexts:
         self.live: dict[ContextId, AutogradContext] = {}
         self._serials = itertools.count(1)
         self._lock = threading.Lock()
-        self._releasing: set[asyncio.Future[Any]] = set()
 
     def new_context(self) -> AutogradContext:
         context_id = (self.rank << 40) | next(self._serials)
@@ -117,37 +116,24 @@ class AutogradContexts:
 
     def release_everywhere(
         self, context_id: ContextId, covered: frozenset[int] = frozenset()
-    ) -> list[asyncio.Future[Any]]:
-        """Release ``context_id`` here and, without waiting, on every worker it reached
-        but those ``covered`` (already released, or told by someone else); returns those
-        releases (each done once its worker and those downstream are)."""
+    ) -> None:
+        """Release ``context_id`` here and tell every worker it reached but those
+        ``covered`` (already released, or told by someone else) to do the same."""
         released = self.release(context_id)
         if released is None:
-            return []
+            return
         peers = released.peers - covered - {self.rank}
         covered |= peers | {self.rank}
-        calls = []
         for peer in sorted(peers):
             try:
-                call = self.agent.rpc_async(peer, _release_here, (context_id, covered))
+                self.agent.notify(peer, RELEASE, context_id, sorted(covered))
             except Exception as exc:  # e.g. shutting down: the peer's close frees it
                 log.warning("cannot release autograd context %d on %d: %s", context_id, peer, exc)
-                continue
-            self._releasing.add(call)
-            call.add_done_callback(self._release_done)
-            calls.append(call)
-        return calls
-
-    def _release_done(self, call: asyncio.Future[Any]) -> None:
-        self._releasing.discard(call)
-        error = None if call.cancelled() else call.exception()
-        if error is not None and not isinstance(error, ConnectionError):
-            log.warning("releasing an autograd context: %s", error)
 
     async def released(self) -> None:
-        """Wait until every release this worker sent is done (downstream too)."""
-        while self._releasing:
-            await asyncio.gather(*self._releasing, return_exceptions=True)
+        """Wait until every worker told to release a context has done so (and has
+        told those it reached in turn)."""
+        await self.agent.notices_delivered()
 
     # -- agent extension -----------------------------------------------------------
 
@@ -155,7 +141,7 @@ class AutogradContexts:
         pass  # a backward pass reaching a lost worker fails through its RPC
 
     async def drain(self) -> None:
-        await self.released()
+        pass  # releases are notices: the agent sends them before its shutdown notices
 
     def close(self) -> None:
         self.live.clear()
@@ -169,13 +155,18 @@ def contexts_of(agent: RpcAgent) -> AutogradContexts:
     return agent.extension("autograd", AutogradContexts)
 
 
-async def _release_here(context_id: ContextId, covered: frozenset[int]) -> None:
-    """On a worker that took part: release here and on the workers it reached that are
-    not ``covered`` yet; reply when all are done."""
-    agent = current_agent()
-    if agent is None:  # pragma: no cover - always runs inside an agent
-        raise AgentStateError("autograd release outside of a running agent")
-    await asyncio.gather(*contexts_of(agent).release_everywhere(context_id, covered))
+RELEASE = "autograd.release"
+
+
+def _on_release(agent: RpcAgent, sender: int, context_id: Any, covered: Any) -> None:
+    """A worker that took part released ``context_id``: release it here, and tell the
+    workers it reached here that are not ``covered`` yet."""
+    if type(context_id) is not int or not isinstance(covered, list):
+        raise ValueError(f"malformed release of an autograd context: {context_id!r}")
+    contexts_of(agent).release_everywhere(context_id, frozenset(covered) | {sender})
+
+
+on_notice(RELEASE, _on_release)
 
 
 # -- recording sends and recvs as tensors are (un)pickled ----------------------------

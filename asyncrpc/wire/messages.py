@@ -9,12 +9,14 @@ Handshake (meta only, never a pickle)::
 
 Established::
 
-    REQUEST    {i: call id, f: function name for errors}  payload = pickle((func, args, kwargs))
+    REQUEST    {i: call id, f: function name for errors, c?: carried context, n?: notices}
+               payload = pickle((func, args, kwargs))
     RESPONSE   {i}                                         payload = pickle(result)
     ERROR      {i}                                         payload = pickle(exception info)
     CANCEL     {i}          the caller gave up (timeout); the callee may stop the work
     SHUTDOWN   {rank}       the sender has called shutdown and has no calls of its own in flight
     RELEASE    {k: [keys]}  the receiver no longer maps these shared-memory segments
+    NOTICE     {n: [[key, *args], ...]}  one-way notices (no reply), as a REQUEST's ``n`` carries
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Kind(IntEnum):
     CANCEL = 13
     SHUTDOWN = 14
     RELEASE = 15
+    NOTICE = 16
 
 
 KNOWN_KINDS: Final = frozenset(int(k) for k in Kind)

@@ -244,11 +244,21 @@ async def test_concurrent_contexts_against_one_server(trio: Agents) -> None:
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "options"),
-    [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), (torch.optim.Adam, {"lr": 0.01})],
+    ("optimizer", "args", "options"),
+    [
+        (torch.optim.SGD, (), {"lr": 0.1, "momentum": 0.9}),  # torch's functional twin
+        (torch.optim.Adam, (), {"lr": 0.01}),  # functional twin
+        (torch.optim.SGD, (0.1,), {"momentum": 0.9}),  # positional: the class itself
+        (torch.optim.SGD, (), {"lr": 0.1, "foreach": None}),  # the twin takes no None
+        (torch.optim.NAdam, (), {"lr": 0.01}),  # no twin
+    ],
+    ids=["sgd-twin", "adam-twin", "sgd-positional", "sgd-foreach-none", "nadam"],
 )
 async def test_optimizer_step_equals_local_step(
-    trio: Agents, optimizer: type[torch.optim.Optimizer], options: dict[str, Any]
+    trio: Agents,
+    optimizer: type[torch.optim.Optimizer],
+    args: tuple[Any, ...],
+    options: dict[str, Any],
 ) -> None:
     a = trio[0]
     server = remote("b", Server)
@@ -256,9 +266,9 @@ async def test_optimizer_step_equals_local_step(
     mine = weights(5, 4, seed=13)
     mine_copy = mine.detach().clone().requires_grad_()
     dist_opt = optim.DistributedOptimizer(
-        optimizer, [await server.rpc_async().parameter(), RRef(mine)], **options
+        optimizer, [await server.rpc_async().parameter(), RRef(mine)], *args, **options
     )
-    local_opt = optimizer([local_w, mine_copy], **options)
+    local_opt = optimizer([local_w, mine_copy], *args, **options)
     x = weights(3, 5, seed=14).detach()
     for _ in range(3):
         async with autograd.context() as ctx:
@@ -270,7 +280,17 @@ async def test_optimizer_step_equals_local_step(
         local_opt.step()
     remote_w = (await server.to_here()).w
     assert close(remote_w, local_w) and close(mine, mine_copy)
+    assert mine.grad is None and remote_w.grad is None  # gradients stay in the contexts
     assert a.debug_info()["autograd_contexts"] == 0
+
+
+async def test_optimizer_arguments_are_checked_as_torch_checks_them(trio: Agents) -> None:
+    server = remote("b", Server)
+    params = [await server.rpc_async().parameter()]
+    opt = optim.DistributedOptimizer(torch.optim.SGD, params, lr=-1.0)  # the twin would take it
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        async with autograd.context() as ctx:
+            await opt.step(ctx)
 
 
 def failing_stage(h: torch.Tensor) -> torch.Tensor:

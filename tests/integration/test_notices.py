@@ -1,0 +1,139 @@
+"""One-way notices between agents on one loop: they ride on the next request to their
+peer or leave on their own, keep their order with the frames around them, survive bad
+input, and are all handled before a graceful shutdown completes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from asyncrpc.agent import AgentOptions, RpcAgent, on_loop, on_notice
+from asyncrpc.wire import Kind
+
+pytestmark = pytest.mark.timeout(30)
+SECRET = b"notices test secret"
+seen: list[tuple[str, int, Any]] = []  # (agent, sender rank, value), in handling order
+
+
+def _record(agent: RpcAgent, sender: int, value: Any) -> None:
+    seen.append((agent.info.name, sender, value))
+
+
+def _explode(agent: RpcAgent, sender: int) -> None:
+    raise RuntimeError("this handler fails on purpose")
+
+
+on_notice("test.record", _record)
+on_notice("test.explode", _explode)
+
+
+@on_loop
+def record_call(value: Any) -> None:
+    """A request's function, recorded where the notices are."""
+    seen.append(("call", -1, value))
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[RpcAgent, RpcAgent]]:
+    seen.clear()
+    options = AgentOptions(transports=("unix",), rpc_timeout=10)
+    agents = [RpcAgent(name, rank, SECRET, options) for rank, name in enumerate("ab")]
+    addresses = [await agent.start() for agent in agents]
+    for agent in agents:
+        agent.join(addresses)
+    yield agents[0], agents[1]
+    for agent in agents:
+        await agent.shutdown(graceful=False)
+
+
+def count_frames(agent: RpcAgent, peer: str) -> list[int]:
+    """Record the kind of every frame ``agent`` sends ``peer`` from now on."""
+    kinds: list[int] = []
+    link = agent._links[peer]
+    send = link.send
+
+    def counting(kind: int, *args: Any, **kwargs: Any) -> None:
+        kinds.append(kind)
+        send(kind, *args, **kwargs)
+
+    link.send = counting  # type: ignore[method-assign]
+    return kinds
+
+
+async def test_a_notice_rides_on_the_next_request_in_order(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    a, _ = pair
+    await a.rpc_async("b", record_call, ("dial",))
+    kinds = count_frames(a, "b")
+    a.notify("b", "test.record", 1)
+    a.notify("b", "test.record", 2)
+    await a.rpc_async("b", record_call, ("after",))
+    assert kinds == [Kind.REQUEST]  # no frame of their own
+    assert seen[1:] == [("b", 0, 1), ("b", 0, 2), ("call", -1, "after")]
+    assert a.debug_info()["queued_notices"] == 0
+
+
+async def test_a_notice_alone_leaves_in_a_frame_of_its_own(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    a, b = pair
+    a.notify("b", "test.record", "alone")  # no link yet: it dials
+    await a.notices_delivered()
+    assert seen == [("b", 0, "alone")]
+    kinds = count_frames(a, "b")
+    a.notify(1, "test.record", "again")  # by rank
+    assert a.debug_info()["queued_notices"] == 1
+    await a.notices_delivered()
+    assert kinds[0] == Kind.NOTICE
+    assert seen[-1] == ("b", 0, "again")
+    b.notify("a", "test.record", "back")
+    await b.notices_delivered()
+    assert seen[-1] == ("a", 1, "back")
+
+
+async def test_bad_notices_are_logged_and_the_worker_keeps_serving(
+    pair: tuple[RpcAgent, RpcAgent], caplog: pytest.LogCaptureFixture
+) -> None:
+    a, _ = pair
+    await a.rpc_async("b", record_call, ("dial",))
+    link = a._links["b"]
+    with caplog.at_level(logging.WARNING, logger="asyncrpc.agent"):
+        link.send(Kind.NOTICE, {"n": [["no.such.notice", 1], "not a list", []]})
+        link.send(Kind.NOTICE, {"n": "not a list of notices"})
+        a.notify("b", "test.explode")
+        a.notify("b", "test.record", "too", "many")  # the handler takes one value
+        a.notify("b", "test.record", "fine")
+        await a.notices_delivered()
+    assert seen[-1] == ("b", 0, "fine")
+    assert await a.rpc_async("b", record_call, ("still serving",)) is None
+    text = caplog.text
+    assert "unknown notice" in text and "malformed notices" in text
+    assert "fails on purpose" in text and "test.record" in text
+
+
+async def test_graceful_shutdown_delivers_queued_notices_first(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    a, b = pair
+    await a.rpc_async("b", record_call, ("dial",))
+    a.notify("b", "test.record", "last words")
+    await asyncio.gather(a.shutdown(), b.shutdown())
+    assert seen[-1] == ("b", 0, "last words")
+
+
+async def test_notify_needs_a_running_agent_and_a_known_worker(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    from asyncrpc.errors import AgentStateError, UnknownWorkerError
+
+    a, _ = pair
+    with pytest.raises(UnknownWorkerError):
+        a.notify("nobody", "test.record", 1)
+    await a.shutdown(graceful=False)
+    with pytest.raises(AgentStateError):
+        a.notify("b", "test.record", 1)
