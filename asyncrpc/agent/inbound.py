@@ -14,9 +14,10 @@ name) and runs where :func:`~asyncrpc.agent.dispatch.describe` places it:
   share the GIL with a spinning loop, so while one runs the loop sleeps.
 * LOOP -- an ``async def``: a task on the loop.
 * AWAITABLE -- ``@async_execution``: called on the loop; the reply leaves when
-  the returned awaitable completes.  Every coroutine (an ``async def`` call, or one
-  returned by an ``async_execution`` function) runs in one wrapper task that sends
-  the reply in the step the coroutine finishes.
+  the returned awaitable completes (in the same turn if it already has).  Every
+  coroutine (an ``async def`` call, or one returned by an ``async_execution``
+  function) runs in one wrapper task that sends the reply in the step the
+  coroutine finishes.
 * INLINE -- ``@on_loop``: called on the loop at once; the reply leaves at once.
 
 :meth:`Inbound.invoke` runs a function by the same placement rules for upper
@@ -196,7 +197,10 @@ class Inbound:
             self._reply_error(call, exc)
             return
         running[call.call_id] = future
-        future.add_done_callback(lambda f: self._reply_future(call, f), context=context)
+        if future.done():  # finished on the spot (a quick step, say): reply in this turn
+            context.run(self._reply_future, call, future)
+        else:
+            future.add_done_callback(lambda f: self._reply_future(call, f), context=context)
 
     def _send_inline_result(
         self,

@@ -25,7 +25,9 @@ accumulated sums are the same.
 A piece runs through ``agent.offload``: a training loop runs the same pieces
 step after step, so a piece whose kind (its roots' shapes, dtypes and graph
 nodes) proved quick runs on the event loop, sparing two thread hops, and any
-other runs in the pool.
+other runs in the pool.  A piece that ran on the loop and feeds no other worker
+is the whole of that worker's part: its gradients are ready on return, and the
+reply leaves in the same loop turn as the request came (no task to schedule).
 """
 
 from __future__ import annotations
@@ -36,26 +38,51 @@ from typing import Any
 
 import torch
 
-from asyncrpc.agent import RpcAgent, current_agent
+from asyncrpc.agent import RpcAgent, async_execution, current_agent
 from asyncrpc.autograd.context import AutogradContext, ContextId, SendId, contexts_of
 from asyncrpc.errors import AgentStateError
+
+# torch.autograd.grad's own way into the engine (see _grad); None if a torch moves it.
+_engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 Grads = list[tuple[SendId, torch.Tensor]]
 Seeds = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-async def run_backward(
+def run_backward(
     agent: RpcAgent,
     context: AutogradContext,
     seeds: Seeds,
     requester: int | None = None,
+) -> asyncio.Future[Grads]:
+    """Run a piece from ``seeds`` here, then the pieces it feeds, on every worker; a
+    future of the gradients the piece owes ``requester`` (not sent: see the module doc),
+    done on return when the piece ran on the loop and fed no other worker."""
+    piece = agent.offload(_kind_of(seeds), _local_piece, context, seeds)
+    if piece.done() and piece.exception() is None:
+        back, others = _split(piece.result(), requester)
+        if not others:
+            finished: asyncio.Future[Grads] = agent.loop.create_future()
+            finished.set_result(back)
+            return finished
+    return agent.loop.create_task(_run_rest(agent, context, piece, requester))
+
+
+async def _run_rest(
+    agent: RpcAgent,
+    context: AutogradContext,
+    piece: asyncio.Future[dict[int, Grads]],
+    requester: int | None,
 ) -> Grads:
-    """Run a piece from ``seeds`` here, then the pieces it feeds, on every worker;
-    returns the gradients the piece owes ``requester`` (not sent: see the module doc)."""
-    outgoing = await agent.offload(_kind_of(seeds), _local_piece, context, seeds)
-    back = outgoing.pop(requester, []) if requester is not None else []
-    await _pass_on(agent, context, outgoing)
+    back, others = _split(await piece, requester)
+    await _pass_on(agent, context, others)
     return back
+
+
+def _split(outgoing: dict[int, Grads], requester: int | None) -> tuple[Grads, dict[int, Grads]]:
+    """What a piece owes ``requester``, and what it owes every other sender."""
+    others = {sender: grads for sender, grads in outgoing.items() if sender != requester}
+    return outgoing.get(requester, []) if requester is not None else [], others
 
 
 async def _pass_on(agent: RpcAgent, context: AutogradContext, outgoing: dict[int, Grads]) -> None:
@@ -88,13 +115,7 @@ def _local_piece(context: AutogradContext, seeds: Seeds) -> dict[int, Grads]:
     leaves = _reachable_leaves([t for t, _ in roots])
     if not leaves:
         return {}
-    found = torch.autograd.grad(
-        [t for t, _ in roots],
-        leaves,
-        grad_outputs=[g for _, g in roots],
-        retain_graph=True,
-        allow_unused=True,
-    )
+    found = _grad(roots, leaves)
     outgoing: dict[int, Grads] = defaultdict(list)
     for leaf, grad in zip(leaves, found, strict=True):
         if grad is None:
@@ -105,6 +126,20 @@ def _local_piece(context: AutogradContext, seeds: Seeds) -> dict[int, Grads]:
         else:
             context.accumulate(leaf, grad)
     return dict(outgoing)
+
+
+def _grad(roots: Seeds, leaves: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad(roots, leaves, their gradients, retain_graph=True,
+    allow_unused=True)``, entering the engine where ``torch.autograd.grad`` itself does:
+    its Python argument handling cost a training step ~60 µs on the 2-vCPU VM (three
+    pieces), and the engine checks the gradients' shapes again anyway."""
+    outputs, grads = tuple(t for t, _ in roots), tuple(g for _, g in roots)
+    if _engine_run_backward is None:  # pragma: no cover - a torch without it
+        return torch.autograd.grad(outputs, leaves, grads, retain_graph=True, allow_unused=True)
+    found: tuple[torch.Tensor | None, ...] = _engine_run_backward(
+        outputs, grads, True, False, tuple(leaves), True, accumulate_grad=False
+    )
+    return found
 
 
 def _reachable_leaves(roots: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -129,12 +164,15 @@ def _reachable_leaves(roots: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(leaves.values())
 
 
-async def _backward_from_sends(context_id: ContextId, grads: Grads, requester: int) -> Grads:
+@async_execution
+def _backward_from_sends(
+    context_id: ContextId, grads: Grads, requester: int
+) -> asyncio.Future[Grads]:
     """On a sender: continue the pass from the tensors it sent, with their gradients;
-    returns the gradients this piece owes ``requester`` (see the module docstring)."""
+    a future of the gradients this piece owes ``requester`` (see the module docstring)."""
     agent = current_agent()
     if agent is None:  # pragma: no cover - always runs inside an agent
         raise AgentStateError("distributed backward outside of a running agent")
     context = contexts_of(agent).get(context_id)
     seeds = [(context.sends[send_id], grad) for send_id, grad in grads]
-    return await run_backward(agent, context, seeds, requester)
+    return run_backward(agent, context, seeds, requester)

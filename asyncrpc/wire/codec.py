@@ -229,10 +229,11 @@ class FrameDecoder:
         return frame
 
     def _small_frame(self) -> Frame | None:
-        """Fast path for the common case: a whole small frame without buffers is staged.
+        """Fast path for the common case: a whole small frame is staged, its buffers (if
+        any) inline.  They are copied into freshly allocated buffers here.
 
-        Anything else (incomplete, buffers, large, or invalid) returns None and takes
-        the general path, which also produces every error.
+        Anything else (incomplete, large, external buffers, or invalid) returns None and
+        takes the general path, which also produces every error.
         """
         start, end = self._start, self._end
         if end - start < PRELUDE.size:
@@ -249,17 +250,28 @@ class FrameDecoder:
             return None
         kind, meta, size, descriptors = header
         if (
-            descriptors
-            or type(size) is not int
-            or not 0 <= size <= min(SMALL_PAYLOAD, self.max_frame_size)
-            or header_end + size > end
+            type(size) is not int
             or type(meta) is not dict
             or type(kind) is not int
             or kind not in KNOWN_KINDS
+            or type(descriptors) is not list
+            or not all(type(d) is int and d >= 0 for d in descriptors)
         ):
             return None
-        self._start = header_end + size
-        return Frame(kind, meta, bytes(self._view[header_end : self._start]), [])
+        body_end = header_end + size + sum(descriptors)
+        if not 0 <= size <= body_end - header_end <= min(SMALL_PAYLOAD, self.max_frame_size):
+            return None
+        if body_end > end:
+            return None
+        at = header_end + size
+        frame = Frame(kind, meta, bytes(self._view[header_end:at]), [])
+        for nbytes in descriptors:
+            owner, view = self._allocate(nbytes)
+            view[:] = self._view[at : at + nbytes]
+            frame.buffers.append(owner)
+            at += nbytes
+        self._start = at
+        return frame
 
     def _drain_direct(self) -> None:
         if self._direct is not None and self._direct_filled == len(self._direct):
