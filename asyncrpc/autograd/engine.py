@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from collections.abc import Awaitable
 from typing import Any
 
 import torch
@@ -49,26 +50,24 @@ Grads = list[tuple[SendId, torch.Tensor]]
 Seeds = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def run_backward(
+async def run_backward(
     agent: RpcAgent,
     context: AutogradContext,
     seeds: Seeds,
     requester: int | None = None,
-) -> asyncio.Future[Grads]:
-    """Run a piece from ``seeds`` here, then the pieces it feeds, on every worker; a
-    future of the gradients the piece owes ``requester`` (not sent: see the module doc),
-    done on return when the piece ran on the loop and fed no other worker."""
-    piece = agent.offload(_kind_of(seeds), _local_piece, context, seeds)
-    if piece.done() and piece.exception() is None:
-        back, others = _split(piece.result(), requester)
-        if not others:
-            finished: asyncio.Future[Grads] = agent.loop.create_future()
-            finished.set_result(back)
-            return finished
-    return agent.loop.create_task(_run_rest(agent, context, piece, requester))
+) -> Grads:
+    """Run a piece from ``seeds`` here, then the pieces it feeds, on every worker;
+    returns the gradients the piece owes ``requester`` (not sent: see the module doc)."""
+    return await _after_piece(agent, context, _run_piece(agent, context, seeds), requester)
 
 
-async def _run_rest(
+def _run_piece(
+    agent: RpcAgent, context: AutogradContext, seeds: Seeds
+) -> asyncio.Future[dict[int, Grads]]:
+    return agent.offload(_kind_of(seeds), _local_piece, context, seeds)
+
+
+async def _after_piece(
     agent: RpcAgent,
     context: AutogradContext,
     piece: asyncio.Future[dict[int, Grads]],
@@ -157,22 +156,39 @@ def _reachable_leaves(roots: list[torch.Tensor]) -> list[torch.Tensor]:
         if node in seen:
             continue
         seen.add(node)
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, torch.Tensor):
-            leaves[id(variable)] = variable
-        stack.extend(child for child, _ in node.next_functions if child is not None)
+        if type(node) is _ACCUMULATE_GRAD:  # a leaf's node, and the end of its path
+            leaf: torch.Tensor = node.variable  # type: ignore[attr-defined]
+            leaves[id(leaf)] = leaf
+            continue
+        for child, _ in node.next_functions:
+            if child is not None:
+                stack.append(child)
     return list(leaves.values())
 
 
+def _accumulate_grad_type() -> type:
+    """The class of the graph node through which a leaf receives its gradient."""
+    leaf = torch.zeros((), requires_grad=True)
+    return type((leaf * 1).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
+
+
+_ACCUMULATE_GRAD = _accumulate_grad_type()
+
+
 @async_execution
-def _backward_from_sends(
-    context_id: ContextId, grads: Grads, requester: int
-) -> asyncio.Future[Grads]:
+def _backward_from_sends(context_id: ContextId, grads: Grads, requester: int) -> Awaitable[Grads]:
     """On a sender: continue the pass from the tensors it sent, with their gradients;
-    a future of the gradients this piece owes ``requester`` (see the module docstring)."""
+    what this piece owes ``requester`` (see the module docstring), already there when
+    the piece ran on the loop and feeds no other worker."""
     agent = current_agent()
     if agent is None:  # pragma: no cover - always runs inside an agent
         raise AgentStateError("distributed backward outside of a running agent")
     context = contexts_of(agent).get(context_id)
-    seeds = [(context.sends[send_id], grad) for send_id, grad in grads]
-    return run_backward(agent, context, seeds, requester)
+    piece = _run_piece(agent, context, [(context.sends[i], grad) for i, grad in grads])
+    if piece.done() and piece.exception() is None:
+        back, others = _split(piece.result(), requester)
+        if not others:
+            finished: asyncio.Future[Grads] = agent.loop.create_future()
+            finished.set_result(back)
+            return finished
+    return _after_piece(agent, context, piece, requester)
