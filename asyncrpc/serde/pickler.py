@@ -54,10 +54,12 @@ def reduce_tensor(obj: Any) -> Any:
 
 
 class _Pickler(pickle.Pickler):
-    def reducer_override(self, obj: Any) -> Any:
+    def reducer_override(self, obj: Any) -> Any:  # called for nearly every object
         reducer = _REDUCERS.get(type(obj))
         if reducer is not None:
             return reducer(obj)
+        if not isinstance(obj, torch.Tensor):  # tuples, dicts, ...: pickle's own way
+            return NotImplemented
         return reduce_tensor(obj)
 
 
