@@ -49,9 +49,9 @@ FRAMES_PER_TURN = 32
 FLUSH_PARTS = 64
 COALESCE_WITHIN = 50e-6
 """Seconds.  A message that follows another on a link this soon, in the same loop
-turn, waits for the end of the turn with the rest of its burst; one that comes later
-leaves at once: holding it could cost far more than the ~10 µs system call it saves
-(a training loop computes for 100 µs or more between two messages of one turn)."""
+turn, is part of a burst and waits for the end of the turn; one that comes later leaves
+at once: holding it could cost far more than the ~10 µs system call it saves (a
+training loop computes for 100 µs or more between two messages of one turn)."""
 Parts = list[bytes | memoryview]
 
 
@@ -90,7 +90,7 @@ class Link(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._outbox: Parts = []
         self._flush_scheduled = False
-        self._last_write = 0.0  # perf_counter() of the last write to the transport
+        self._last_message = 0.0  # perf_counter() of the last message written
         self._paused = False
         self._reading_paused = False  # the owner's backpressure
         self._catching_up = False  # staged frames still wait for their turn
@@ -214,19 +214,17 @@ class Link(asyncio.BufferedProtocol):
         self.write(self.encode(kind, meta, payload, buffers))
 
     def write(self, parts: Parts) -> None:
-        """Send encoded parts.  A message leaves at once unless another one left on this
-        link less than ``COALESCE_WITHIN`` ago in this loop turn: then it waits, with
-        any that follow, for the end of the turn or until FLUSH_PARTS are waiting (a
-        burst becomes few system calls, and a lone message never waits)."""
+        """Send encoded parts.  A message leaves at once unless the one before it on this
+        link came less than ``COALESCE_WITHIN`` earlier in this loop turn: a burst waits
+        for the end of the turn (or until FLUSH_PARTS are waiting) and leaves in one
+        system call; a message after a pause takes what waits along with it."""
         if self.closed:
             return
         self.handler.frames_sent(self)
         now = time.perf_counter()
-        if (
-            self._paused
-            or self._transport is None
-            or (self._flush_scheduled and now - self._last_write < COALESCE_WITHIN)
-        ):
+        in_burst = self._flush_scheduled and now - self._last_message < COALESCE_WITHIN
+        self._last_message = now
+        if self._paused or self._transport is None or in_burst:
             self._outbox.extend(parts)
             if len(self._outbox) >= FLUSH_PARTS:
                 self._flush()
@@ -237,7 +235,6 @@ class Link(asyncio.BufferedProtocol):
         if self._outbox:  # what waits goes first, in order
             parts, self._outbox = [*self._outbox, *parts], []
         self._transport.writelines(parts)
-        self._last_write = now
         if not self._flush_scheduled:  # marks "wrote this turn"
             self._flush_scheduled = True
             self._loop.call_soon(self._scheduled_flush)
