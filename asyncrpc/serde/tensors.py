@@ -86,7 +86,8 @@ def dump_tensor(tensor: torch.Tensor) -> tuple[TensorMeta, memoryview] | None:
         stride,
         tensor.requires_grad,
         "cpu" if device.type == "cpu" else str(device),
-        isinstance(tensor, torch.nn.Parameter),
+        # (a plain tensor is no Parameter: spare it Parameter's Python __instancecheck__)
+        type(tensor) is not torch.Tensor and isinstance(tensor, torch.nn.Parameter),
     )
     return meta, byte_view(data, span * dtype.itemsize)
 
