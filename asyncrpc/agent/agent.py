@@ -378,16 +378,23 @@ class RpcAgent:
 
     def notify(self, to: str | int | WorkerInfo, key: str, *args: Any) -> None:
         """Queue a one-way notice for a peer (see :mod:`asyncrpc.agent.notices`): it rides
-        on our next request to that peer, or leaves on its own once the loop gets to it."""
+        on our next request to that peer, or leaves on its own once the loop gets to it.
+        Loop thread only."""
         self._check_usable()
         if self._notices.add(self.resolve(to).name, [key, *args]):
             self._loop.call_soon(self._send_notices)
 
     async def notices_delivered(self) -> None:
-        """Wait until every peer sent a notice so far has handled it."""
+        """Wait until every peer sent a notice so far has handled it (a peer lost
+        meanwhile has nothing left to handle)."""
         self._send_notices()
         told, self._notices.told = self._notices.told, set()
-        await asyncio.gather(*(self.rpc_async(peer, delivered) for peer in sorted(told)))
+        answers = await asyncio.gather(
+            *(self.rpc_async(peer, delivered) for peer in sorted(told)), return_exceptions=True
+        )
+        for answer in answers:
+            if isinstance(answer, BaseException) and not isinstance(answer, ConnectionError):
+                raise answer
 
     def _send_notices(self) -> None:
         for peer, notices in self._notices.take_all().items():

@@ -137,3 +137,13 @@ async def test_notify_needs_a_running_agent_and_a_known_worker(
     await a.shutdown(graceful=False)
     with pytest.raises(AgentStateError):
         a.notify("b", "test.record", 1)
+
+
+async def test_a_lost_peer_has_nothing_left_to_handle(pair: tuple[RpcAgent, RpcAgent]) -> None:
+    a, b = pair
+    await a.rpc_async("b", record_call, ("dial",))
+    a.notify("b", "test.record", "never handled")
+    await b.shutdown(graceful=False)
+    async with asyncio.timeout(5):
+        await a.notices_delivered()  # returns: b is gone, not waited for
+    assert a.debug_info()["queued_notices"] == 0
