@@ -25,10 +25,9 @@ from asyncrpc.agent import (
     inbound,
 )
 from asyncrpc.errors import LocalProtocolError
+from tests.in_process import SECRET, joined_agents
 
 pytestmark = pytest.mark.timeout(30)
-
-SECRET = b"in-process test secret"
 
 
 @pytest.fixture(params=["unix", "tcp"])
@@ -36,13 +35,8 @@ async def pair(request: pytest.FixtureRequest) -> AsyncIterator[tuple[RpcAgent, 
     options = AgentOptions(
         transports=(request.param,), handshake_timeout=0.5, max_running_per_link=8, rpc_timeout=10
     )
-    agents = [RpcAgent(name, rank, SECRET, options) for rank, name in enumerate("ab")]
-    addresses = [await agent.start() for agent in agents]
-    for agent in agents:
-        agent.join(addresses)
-    yield agents[0], agents[1]
-    for agent in agents:
-        await agent.shutdown(graceful=False)
+    async with joined_agents("ab", options) as agents:
+        yield agents[0], agents[1]
 
 
 class Probe:

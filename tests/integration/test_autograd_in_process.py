@@ -13,25 +13,20 @@ import torch
 from asyncrpc import RRef, autograd, nn, optim, remote
 from asyncrpc.agent import AgentOptions, RpcAgent, async_execution, on_loop, set_default_agent
 from asyncrpc.autograd.context import contexts_of
+from tests.in_process import joined_agents
 
 pytestmark = pytest.mark.timeout(60)
-SECRET = b"autograd test secret"
 Agents = tuple[RpcAgent, RpcAgent, RpcAgent]
 
 
 @pytest.fixture
 async def trio() -> AsyncIterator[Agents]:
-    options = AgentOptions(transports=("unix",), rpc_timeout=20)
-    agents = [RpcAgent(name, rank, SECRET, options) for rank, name in enumerate("abc")]
-    addresses = [await agent.start() for agent in agents]
-    for agent in agents:
-        agent.join(addresses)
-        contexts_of(agent)  # (init_rpc does this)
-    set_default_agent(agents[0])
-    yield agents[0], agents[1], agents[2]
-    set_default_agent(None)
-    for agent in agents:
-        await agent.shutdown(graceful=False)
+    async with joined_agents("abc", AgentOptions(transports=("unix",), rpc_timeout=20)) as agents:
+        for agent in agents:
+            contexts_of(agent)  # (init_rpc does this)
+        set_default_agent(agents[0])
+        yield agents[0], agents[1], agents[2]
+        set_default_agent(None)
 
 
 def weights(*shape: int, seed: int) -> torch.Tensor:

@@ -13,9 +13,9 @@ import pytest
 
 from asyncrpc.agent import AgentOptions, RpcAgent, on_loop, on_notice
 from asyncrpc.wire import Kind
+from tests.in_process import joined_agents
 
 pytestmark = pytest.mark.timeout(30)
-SECRET = b"notices test secret"
 seen: list[tuple[str, int, Any]] = []  # (agent, sender rank, value), in handling order
 
 
@@ -40,14 +40,8 @@ def record_call(value: Any) -> None:
 @pytest.fixture
 async def pair() -> AsyncIterator[tuple[RpcAgent, RpcAgent]]:
     seen.clear()
-    options = AgentOptions(transports=("unix",), rpc_timeout=10)
-    agents = [RpcAgent(name, rank, SECRET, options) for rank, name in enumerate("ab")]
-    addresses = [await agent.start() for agent in agents]
-    for agent in agents:
-        agent.join(addresses)
-    yield agents[0], agents[1]
-    for agent in agents:
-        await agent.shutdown(graceful=False)
+    async with joined_agents("ab", AgentOptions(transports=("unix",), rpc_timeout=10)) as agents:
+        yield agents[0], agents[1]
 
 
 def count_frames(agent: RpcAgent, peer: str) -> list[int]:

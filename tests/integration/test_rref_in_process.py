@@ -21,23 +21,17 @@ import torch
 from asyncrpc import RemoteError, RPCTimeoutError, RRef, RRefError, SerializationError, remote
 from asyncrpc.agent import AgentOptions, RpcAgent, async_execution, set_default_agent
 from asyncrpc.rref import context_for
+from tests.in_process import joined_agents
 
 pytestmark = pytest.mark.timeout(30)
-SECRET = b"rref test secret"
 
 
 @pytest.fixture
 async def trio() -> AsyncIterator[tuple[RpcAgent, RpcAgent, RpcAgent]]:
-    options = AgentOptions(transports=("unix",), rpc_timeout=10)
-    agents = [RpcAgent(name, rank, SECRET, options) for rank, name in enumerate("abc")]
-    addresses = [await agent.start() for agent in agents]
-    for agent in agents:
-        agent.join(addresses)
-    set_default_agent(agents[0])
-    yield agents[0], agents[1], agents[2]
-    set_default_agent(None)
-    for agent in agents:
-        await agent.shutdown(graceful=False)
+    async with joined_agents("abc", AgentOptions(transports=("unix",), rpc_timeout=10)) as agents:
+        set_default_agent(agents[0])
+        yield agents[0], agents[1], agents[2]
+        set_default_agent(None)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,25 @@
+"""Several agents on one event loop, over real loopback sockets, for integration tests."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from asyncrpc.agent import AgentOptions, RpcAgent
+
+SECRET = b"in-process test secret"
+
+
+@asynccontextmanager
+async def joined_agents(names: str, options: AgentOptions) -> AsyncIterator[list[RpcAgent]]:
+    """One agent per letter of ``names`` (rank = position), started and joined; shut
+    down (not gracefully) on exit."""
+    agents = [RpcAgent(name, rank, SECRET, options) for rank, name in enumerate(names)]
+    addresses = [await agent.start() for agent in agents]
+    for agent in agents:
+        agent.join(addresses)
+    try:
+        yield agents
+    finally:
+        for agent in agents:
+            await agent.shutdown(graceful=False)
