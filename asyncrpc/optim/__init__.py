@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import threading
 import warnings
@@ -40,8 +41,6 @@ from asyncrpc.autograd import get_gradients
 from asyncrpc.rref import RRef, remote
 
 __all__ = ("DistributedOptimizer",)
-
-_twins: dict[type, Any] | None = None
 
 Grads = list[torch.Tensor | None]
 
@@ -91,20 +90,18 @@ def _twin_step(
     return step
 
 
+@functools.cache
 def _functional_twins() -> dict[type, Any]:
     """torch.distributed.optim's functional optimizers, by the class each stands for.
     Imported on first use: the import scripts them all (~0.6 s) and warns, once per
     class, that TorchScript is deprecated."""
-    global _twins
-    if _twins is None:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                from torch.distributed.optim.utils import functional_optim_map  # noqa: PLC0415
-            _twins = dict(functional_optim_map)
-        except ImportError:  # a torch built without torch.distributed
-            _twins = {}
-    return _twins
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from torch.distributed.optim.utils import functional_optim_map  # noqa: PLC0415
+    except ImportError:  # a torch built without torch.distributed
+        return {}
+    return dict(functional_optim_map)
 
 
 _SCRIPTING_DEPRECATED = "`TorchScript` support for functional optimizers is deprecated"
