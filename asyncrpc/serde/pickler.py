@@ -17,22 +17,36 @@ peer before a single payload byte is unpickled.
 
 Upper layers register extra reducers (RRefs, for instance) with
 :func:`register_reducer`, so this layer never imports them.
+
+No view of a ``PickleBuffer`` ever leaves this module.  On Python 3.11 the cyclic
+garbage collector can crash the interpreter when a memoryview exported by a
+PickleBuffer is caught in a reference cycle (CPython gh-77894): a failed call's
+traceback easily holds its request's buffers in one.  So the buffer callback
+hands out the tensor's own byte view, which :func:`reduce_tensor` registered under
+the PickleBuffer it wrapped.  A PickleBuffer it does not know (another library's
+``__reduce_ex__``) is written into the stream: the receiver could not read it
+from tensor storage anyway.  numpy arrays take the tensor path
+(:mod:`asyncrpc.serde.arrays`).
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from asyncrpc.errors import AsyncRPCError, SerializationError
+from asyncrpc.serde.arrays import reduce_ndarray
 from asyncrpc.serde.tensors import dump_tensor, load_tensor
 
 _REDUCERS: dict[type, Callable[[Any], Any]] = {}
+_local = threading.local()  # per thread: the reusable pickler, the current dump's views
 
 
 def register_reducer(cls: type, reducer: Callable[[Any], Any]) -> None:
@@ -50,7 +64,32 @@ def reduce_tensor(obj: Any) -> Any:
     if dumped is None:
         return NotImplemented
     meta, view = dumped
-    return load_tensor, (meta, pickle.PickleBuffer(view))
+    return load_tensor, (meta, _out_of_band(view))
+
+
+def _out_of_band(view: memoryview) -> pickle.PickleBuffer:
+    """Wrap ``view`` for pickle, noting it so the buffer callback hands out ``view``
+    itself rather than a view of the wrapper (see the module docstring)."""
+    buffer = pickle.PickleBuffer(view)
+    views: dict[int, memoryview] | None = getattr(_local, "views", None)
+    if views is not None:
+        views[id(buffer)] = view
+    return buffer
+
+
+def _collect(
+    views: dict[int, memoryview], buffers: list[memoryview], buffer: pickle.PickleBuffer
+) -> bool:
+    """The pickler's buffer callback: a buffer of ours leaves out of band as the view
+    behind it; any other goes into the stream (a true answer tells pickle so)."""
+    view = views.pop(id(buffer), None)
+    if view is None:
+        return True
+    buffers.append(view)
+    return False
+
+
+register_reducer(np.ndarray, functools.partial(reduce_ndarray, reduce_tensor=reduce_tensor))
 
 
 class _Pickler(pickle.Pickler):
@@ -67,29 +106,32 @@ class _Reusable:
     """One pickler and stream per thread (building them costs more than pickling a small
     call).  Everything is reset *after* each dump: a pickler's memo holds strong
     references to what it pickled, which must not outlive the call.  No reference
-    cycle either (the callback is the list's own ``append``), so nothing here waits for
-    the cyclic GC.  ``busy`` guards against re-entry (a reducer that serialises)."""
+    cycle either (the callback is a partial over plain containers), so nothing here
+    waits for the cyclic GC.  ``busy`` guards against re-entry (a reducer that
+    serialises); the views registered by :func:`_out_of_band` are this dump's own."""
 
     def __init__(self) -> None:
         self.stream = io.BytesIO()
-        self.buffers: list[pickle.PickleBuffer] = []
-        self.pickler = _Pickler(self.stream, protocol=5, buffer_callback=self.buffers.append)
+        self.views: dict[int, memoryview] = {}
+        self.buffers: list[memoryview] = []
+        collect = functools.partial(_collect, self.views, self.buffers)
+        self.pickler = _Pickler(self.stream, protocol=5, buffer_callback=collect)
         self.busy = False
 
-    def dump(self, value: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    def dump(self, value: Any) -> tuple[bytes, list[memoryview]]:
         self.busy = True
+        outer, _local.views = getattr(_local, "views", None), self.views
         try:
             self.pickler.dump(value)
             return self.stream.getvalue(), list(self.buffers)
         finally:
+            _local.views = outer
             self.pickler.clear_memo()
+            self.views.clear()
             self.buffers.clear()
             self.stream.seek(0)
             self.stream.truncate()
             self.busy = False
-
-
-_local = threading.local()
 
 
 def dumps(value: Any) -> tuple[bytes, list[memoryview]]:
@@ -105,7 +147,7 @@ def dumps(value: Any) -> tuple[bytes, list[memoryview]]:
         raise  # a reducer's own error (an RRef that cannot travel, say) says it best
     except Exception as exc:
         raise SerializationError(f"cannot serialize {_describe(value)}: {exc}") from exc
-    return payload, [b.raw() for b in buffers]
+    return payload, buffers
 
 
 def loads(payload: bytes | bytearray, buffers: Sequence[Any] = ()) -> Any:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import gc
 import operator
+import os
 import pickle
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -435,3 +439,110 @@ def test_dumps_is_reentrant() -> None:
     assert (
         outer[0] == "outer" and loads(outer[1], [torch.zeros(8, dtype=torch.uint8)])[0] == "inner"
     )
+
+
+# -- no view of a PickleBuffer outlives a dump (CPython gh-77894) ---------------------
+
+_BUFFERS_IN_CYCLES = """
+import gc, pickle, torch
+from asyncrpc.serde import dumps
+gc.disable()
+for i in range(200):
+    payload, buffers = dumps({"t": torch.ones(1000), "i": i})
+    holder = [buffers]
+    holder.append(holder)  # as a failed call's traceback holds its request's buffers
+    del payload, buffers, holder
+gc.collect()
+print("collected")
+"""
+
+
+def test_buffers_caught_in_reference_cycles_do_not_crash_the_collector() -> None:
+    # On 3.11, memoryviews made by PickleBuffer.raw() crash the collector here (SIGSEGV).
+    done = subprocess.run(
+        [sys.executable, "-c", _BUFFERS_IN_CYCLES],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "collected"
+    assert "exported buffer" not in done.stderr
+
+
+def test_dumps_hands_out_no_view_of_a_pickle_buffer() -> None:
+    _, buffers = dumps([torch.ones(10), torch.zeros(3, 3)])
+    assert buffers and not any(isinstance(b.obj, pickle.PickleBuffer) for b in buffers)
+
+
+class _ForeignBuffer:
+    """Pickles its bytes as a PickleBuffer of its own (as numpy does)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = bytearray(data)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return _ForeignBuffer, (pickle.PickleBuffer(self.data),)
+
+
+def test_a_foreign_pickle_buffer_travels_in_the_stream() -> None:
+    payload, buffers = dumps(_ForeignBuffer(b"abc" * 100))
+    assert buffers == []
+    assert loads(payload, []).data == b"abc" * 100
+
+
+# -- numpy arrays -----------------------------------------------------------------------
+
+np = pytest.importorskip("numpy")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: np.arange(10, dtype=np.float32),
+        lambda: np.ones((4, 3), dtype=np.float64, order="F"),
+        lambda: np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::2],
+        lambda: np.arange(6, dtype=np.int16)[::-1],
+        lambda: np.array([True, False]),
+        lambda: np.zeros((0, 3), dtype=np.uint8),
+        lambda: np.arange(3, dtype=np.complex64),
+    ],
+    ids=["float32", "fortran", "strided", "reversed", "bool", "empty", "complex"],
+)
+def test_small_numpy_arrays_round_trip_out_of_band(make: Any) -> None:
+    array = make()
+    payload, buffers = dumps({"obs": array})
+    assert len(buffers) == 1  # the bytes travel beside the stream, not in it
+    got = loads(payload, receive(buffers))["obs"]
+    assert isinstance(got, np.ndarray)
+    assert got.dtype == array.dtype and got.shape == array.shape
+    assert np.array_equal(got, array)
+    got[...] = 0  # the receiver's copy is its own and writable
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.array(["a", "bc"]),
+        np.array([1, None], dtype=object),
+        np.arange(3, dtype=">f4"),
+        np.ones(2, dtype=np.longdouble),
+    ],
+    ids=["str", "object", "big-endian", "longdouble"],
+)
+def test_numpy_arrays_torch_cannot_view_travel_in_the_stream(array: Any) -> None:
+    payload, buffers = dumps(array)
+    assert buffers == []
+    got = loads(payload, [])
+    assert got.dtype == array.dtype and got.tolist() == array.tolist()
+
+
+def test_read_only_numpy_array_sends_without_a_warning() -> None:
+    array = np.arange(4.0)
+    array.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        payload, buffers = dumps(array)
+    assert np.array_equal(loads(payload, receive(buffers)), array)

@@ -1,0 +1,50 @@
+"""numpy arrays travel as tensors do: their bytes out of band, zero-copy.
+
+Theory of operation
+-------------------
+numpy pickles an array (protocol 5) as a ``PickleBuffer`` of its memory, which
+the receiving side must be able to read as bytes.  Ours receives buffers as
+fresh tensor storage or shared-memory mappings, so instead an array of a dtype
+torch shares memory with is reduced through ``torch.from_numpy`` (no copy) to
+the tensor path, and rebuilt on arrival as the array over the received storage
+(``Tensor.numpy()``, no copy either).  Any other array (object, string, date,
+long double, non-native byte order dtypes) keeps numpy's own reduction; its
+buffer then travels inside the pickle stream (see :mod:`asyncrpc.serde.pickler`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncrpc.serde.tensors import TensorMeta, load_tensor
+
+
+def reduce_ndarray(array: np.ndarray[Any, Any], reduce_tensor: Any) -> Any:
+    """``(load_ndarray, args)`` for an array torch can view, else ``NotImplemented``."""
+    try:
+        tensor = _as_tensor(array)
+    except (TypeError, ValueError):  # a dtype or byte order torch does not share
+        return NotImplemented
+    reduced = reduce_tensor(tensor)
+    if reduced is NotImplemented:
+        return NotImplemented
+    return load_ndarray, reduced[1]
+
+
+def _as_tensor(array: np.ndarray[Any, Any]) -> torch.Tensor:
+    if any(stride < 0 for stride in array.strides):  # reversed views: torch has none
+        array = np.ascontiguousarray(array)
+    if array.flags.writeable:
+        return torch.from_numpy(array)
+    with warnings.catch_warnings():  # read-only: we only read it, and the receiver's
+        warnings.simplefilter("ignore")  # copy is its own, writable
+        return torch.from_numpy(array)
+
+
+def load_ndarray(meta: TensorMeta, buffer: Any) -> np.ndarray[Any, Any]:
+    """Rebuild an array over the buffer its bytes were received into."""
+    return load_tensor(meta, buffer).numpy()
