@@ -18,6 +18,9 @@ An outcome is packed as RESPONSE (the pickled result) or ERROR (the pickled
 exception, the worker, the function and the remote traceback text).  An
 exception that does not survive a pickle round trip travels as
 :class:`RemoteError` with its type name and message, so a reply is never lost.
+So does one that is no ``Exception`` (``KeyboardInterrupt``, ``SystemExit``):
+raised in remote code it ends that call, not the callee, and the caller gets
+an error its ``except Exception`` catches, as torch.distributed.rpc does.
 """
 
 from __future__ import annotations
@@ -118,25 +121,40 @@ def function_name(fn: Any) -> str:
 def pack_error(exc: BaseException, worker: str, function: str) -> tuple[bytes, list[memoryview]]:
     """Serialise an exception raised while running ``function`` on ``worker``."""
     text = "".join(traceback.format_exception(exc))
-    try:
-        packed = dumps((exc, worker, function, text))
-        loads(*packed)  # it must also rebuild on the caller
-        return packed
-    except Exception:
-        stand_in = RemoteError(f"{type(exc).__qualname__}: {exc}", exc_type=_type_name(exc))
-        return dumps((stand_in, worker, function, text))
+    if isinstance(exc, Exception):
+        try:
+            packed = dumps((exc, worker, function, text))
+            loads(*packed)  # it must also rebuild on the caller
+            return packed
+        except Exception:
+            pass
+    return dumps((_stand_in(exc), worker, function, text))
 
 
 def unpack_error(packed: Any) -> BaseException:
     """Rebuild a remote exception from what :func:`pack_error` made (once unpickled),
     with where it came from attached."""
     raw, worker, function, text = packed
-    exc = raw if isinstance(raw, BaseException) else RemoteError(f"malformed error: {raw!r}")
+    if isinstance(raw, BaseException):  # (never a SystemExit of a peer's making here)
+        exc = as_exception(raw)
+    else:
+        exc = RemoteError(f"malformed error: {raw!r}")
     exc.remote_worker = worker  # type: ignore[attr-defined]
     exc.remote_function = function  # type: ignore[attr-defined]
     exc.remote_traceback = text  # type: ignore[attr-defined]
     exc.add_note(f"\n--- raised on worker {worker!r} in {function} ---\n{text.rstrip()}")
     return exc
+
+
+def as_exception(exc: BaseException) -> Exception:
+    """``exc`` itself, or for a ``KeyboardInterrupt``/``SystemExit`` raised by remote
+    code, a :class:`RemoteError` naming it: it must end a call, never a worker."""
+    return exc if isinstance(exc, Exception) else _stand_in(exc)
+
+
+def _stand_in(exc: BaseException) -> RemoteError:
+    """What travels for an exception that cannot, or must not, be re-raised as itself."""
+    return RemoteError(f"{type(exc).__qualname__}: {exc}", exc_type=_type_name(exc))
 
 
 def _type_name(exc: BaseException) -> str:

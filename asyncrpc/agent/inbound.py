@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncrpc.agent.dispatch import Placement, describe, pack_error
+from asyncrpc.agent.dispatch import Placement, as_exception, describe, pack_error
 from asyncrpc.agent.pool import WorkerPool
 from asyncrpc.agent.transfer import Undo, apply_carried, dumps_for, loads_from, undo
 from asyncrpc.errors import RemoteError, RemoteProtocolError, SerializationError
@@ -230,7 +230,7 @@ class Inbound:
                 return done
             handler = self._call_on_loop(placement, context, func, args, kwargs)
             if isinstance(handler, Coroutine):
-                return self._loop.create_task(handler, context=context)
+                return self._loop.create_task(_contained(handler), context=context)
             return self._as_future(handler, name)
         except Exception as exc:
             failed = self._loop.create_future()
@@ -284,7 +284,7 @@ class Inbound:
         try:
             outcome: tuple[bool, Any] = (True, func(*args, **kwargs))
         except BaseException as exc:
-            outcome = (False, exc)
+            outcome = (False, as_exception(exc))
         with contextlib.suppress(RuntimeError):  # loop closed: the agent has shut down
             self._loop.call_soon_threadsafe(self._settle, future, *outcome)
 
@@ -306,7 +306,7 @@ class Inbound:
             if self._retire(call):  # cancelled by the callee's own code: say so
                 self._reply_cancelled(call)
             raise
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit too: it ends this call, not the worker
             if self._retire(call):
                 self._reply_error(call, exc)
             return
@@ -421,6 +421,15 @@ class Inbound:
         elif calls.paused and len(calls.running) <= self.max_running // 2:
             calls.paused = False
             link.resume_reading()
+
+
+async def _contained(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    """Run ``coroutine``; a KeyboardInterrupt or SystemExit it raises fails its future
+    instead of escaping the task and stopping the worker's loop."""
+    try:
+        return await coroutine
+    except (KeyboardInterrupt, SystemExit) as exc:
+        raise as_exception(exc) from exc
 
 
 def _copy_torch_future(source: torch.futures.Future[Any], target: asyncio.Future[Any]) -> None:

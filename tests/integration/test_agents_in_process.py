@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import operator
 import os
 import socket
 import struct
@@ -333,3 +334,30 @@ async def test_a_call_that_arrives_before_join_waits_for_it() -> None:
         assert await asyncio.wait_for(call, 10) == "a"
     finally:
         await asyncio.gather(a.shutdown(graceful=False), b.shutdown(graceful=False))
+
+
+# -- KeyboardInterrupt and SystemExit in remote code end the call, not the callee -------
+
+
+def interrupt_in_thread(kind: str) -> None:
+    raise {"interrupt": KeyboardInterrupt, "exit": SystemExit}[kind]("from remote code")
+
+
+async def interrupt_on_loop(kind: str) -> None:
+    raise {"interrupt": KeyboardInterrupt, "exit": SystemExit}[kind]("from remote code")
+
+
+@pytest.mark.parametrize("kind", ["interrupt", "exit"])
+@pytest.mark.parametrize("where", [interrupt_in_thread, interrupt_on_loop], ids=["thread", "loop"])
+async def test_keyboard_interrupt_and_system_exit_fail_only_the_call(
+    pair: tuple[RpcAgent, RpcAgent], kind: str, where: Any
+) -> None:
+    a, b = pair
+    with pytest.raises(Exception) as caught:  # `except Exception` catches it
+        await a.rpc_async("b", where, args=(kind,))
+    assert isinstance(caught.value, RemoteError)
+    original = "KeyboardInterrupt" if kind == "interrupt" else "SystemExit"
+    assert original in str(caught.value) and "from remote code" in str(caught.value)
+    assert caught.value.remote_worker == "b"  # type: ignore[attr-defined]
+    assert b.state == "running"
+    assert await a.rpc_async("b", operator.add, args=(1, 2)) == 3  # the callee still serves
