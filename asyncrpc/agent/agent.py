@@ -263,12 +263,22 @@ class RpcAgent:
             await self._barrier_changed.wait()
 
     async def _announce_shutdown(self, name: str) -> None:
-        """Tell ``name`` the phases we reached; a peer that cannot be dialled is dead."""
-        try:
-            link = await self._connect(name)
-        except (PeerLostError, TimeoutError):
-            self._mark_dead(name)
-            return
+        """Tell ``name`` the phases we reached, on any link we share with it (a peer
+        whose loop is busy cannot complete a new handshake, but reads an open link once
+        free).  Without one we dial: a peer that cannot be reached is dead, one that
+        accepts the connection but does not finish the handshake in time is alive and
+        busy, and is dialled again."""
+        while True:
+            link = self._links.get(name) or self._inbound.link_from(name)
+            if link is not None:
+                break
+            try:
+                link = await self._connect(name)
+            except (PeerLostError, TimeoutError) as exc:
+                if _busy(exc):
+                    continue
+                self._mark_dead(name)
+                return
         self._dead.discard(name)  # a lost link earlier, but it is alive: wait for it
         self._send_phases(link)
 
@@ -577,7 +587,11 @@ class RpcAgent:
         ):
             for extension in list(self._extensions.values()):
                 extension.peer_lost(peer.rank)
-        if peer is None or self._links.get(peer.name) is not link:
+        if peer is None:
+            return
+        if self._links.get(peer.name) is not link:  # an inbound link: dead if it was the last
+            if link.handshake.established and self._no_link_with(peer.name):
+                self._mark_dead(peer.name)
             return
         del self._links[peer.name]
         self._mark_dead(peer.name)
@@ -586,6 +600,9 @@ class RpcAgent:
         for call_id, call in list(self._pending.items()):
             if call.peer == peer.name:
                 self._finish(call_id, error=lost)
+
+    def _no_link_with(self, name: str) -> bool:
+        return name not in self._links and self._inbound.link_from(name) is None
 
     def _mark_dead(self, name: str) -> None:
         if name not in self._peers_done[2] and self.state in ("draining", "running"):
@@ -673,6 +690,12 @@ class RpcAgent:
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._loop
+
+
+def _busy(exc: BaseException) -> bool:
+    """Whether a failed dial reached a live worker that did not answer in time."""
+    cause = exc.__cause__
+    return isinstance(cause, HandshakeError) and bool(cause.details.get("timed_out"))
 
 
 def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:

@@ -111,6 +111,10 @@ class Inbound:
             if future is not None:
                 future.cancel()
 
+    def link_from(self, name: str) -> Link | None:
+        """An open link worker ``name`` dialed to us, if any."""
+        return next((link for link in self._links if link.peer.name == name), None)
+
     @property
     def peers(self) -> set[str]:
         return {link.peer.name for link in self._links}

@@ -341,7 +341,7 @@ class Link(asyncio.BufferedProtocol):
         self.handler.link_lost(self, exc)
 
     def _handshake_expired(self) -> None:
-        self.abort(HandshakeError(f"{self!r}: handshake not completed in time"))
+        self.abort(HandshakeError(f"{self!r}: handshake not completed in time", timed_out=True))
 
     def _lost_error(self, what: str) -> PeerLostError:
         peer = self.handshake.peer
