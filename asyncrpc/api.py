@@ -20,7 +20,14 @@ from asyncrpc.agent import (
 )
 from asyncrpc.autograd.context import contexts_of
 from asyncrpc.errors import AgentStateError, RPCTimeoutError
-from asyncrpc.rendezvous import Store, create_store, exchange, job_secret, listen_host_for
+from asyncrpc.rendezvous import (
+    Store,
+    create_store,
+    exchange,
+    job_secret,
+    listen_host_for,
+    scoped,
+)
 from asyncrpc.rref import context_for
 from asyncrpc.wire import DEFAULT_MAX_FRAME_SIZE
 
@@ -73,6 +80,7 @@ async def init_rpc(
         listen_host = listen_host_for(init_method, store)
     if store is None:
         store = await _rendezvous(create_store, init_method, rank, world_size, wait)
+    store = scoped(store)
     secret = await _rendezvous(job_secret, store, rank)
     options = AgentOptions(
         rpc_timeout=rpc_timeout,

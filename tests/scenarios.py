@@ -376,3 +376,18 @@ async def rendezvous(cfg: Config) -> dict[str, Any]:
     seen = {"peer_says": await asyncrpc.rpc_async(peer, whoami)}
     await asyncrpc.shutdown()
     return seen
+
+
+async def rendezvous_beside_process_group(cfg: Config) -> dict[str, Any]:
+    """env:// in processes whose default process group already serves MASTER_PORT."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="env://", rank=cfg.rank, world_size=cfg.world)
+    try:
+        await asyncrpc.init_rpc(cfg.name, rank=cfg.rank, world_size=cfg.world, rpc_timeout=15)
+        seen = {"peer_says": await asyncrpc.rpc_async(f"w{1 - cfg.rank}", whoami)}
+        await asyncrpc.shutdown()
+        dist.barrier()  # the group still works
+    finally:
+        dist.destroy_process_group()
+    return seen

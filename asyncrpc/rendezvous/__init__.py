@@ -1,5 +1,12 @@
 """Rendezvous through torch's c10d Store (TCPStore, FileStore, torchrun's agent store)."""
 
-from asyncrpc.rendezvous.store import Store, create_store, exchange, job_secret, listen_host_for
+from asyncrpc.rendezvous.store import (
+    Store,
+    create_store,
+    exchange,
+    job_secret,
+    listen_host_for,
+    scoped,
+)
 
-__all__ = ("Store", "create_store", "exchange", "job_secret", "listen_host_for")
+__all__ = ("Store", "create_store", "exchange", "job_secret", "listen_host_for", "scoped")

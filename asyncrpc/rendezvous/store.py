@@ -10,7 +10,13 @@ Theory of operation
   hosts the store, so every rank connects as a client and none binds it;
 * ``file://path`` -- a ``FileStore`` shared by the ranks.
 
-Each worker publishes one msgpack record under ``asyncrpc/worker/<rank>`` and
+Under ``env://`` in a process whose default process group is up, that group's
+store is used (it already serves MASTER_PORT).  Rank 0 hosts a TCPStore on the
+init_method's address only (torch's would listen on every interface).  Each
+job's keys live under a per-process job counter (:func:`scoped`), as torch's RPC
+does, so one store can serve several jobs in a row.
+
+Each worker publishes one msgpack record under ``asyncrpc/job<n>/worker/<rank>`` and
 reads everyone's; names are claimed with an atomic counter so a duplicate is
 caught on both sides.  The job secret comes from ASYNCRPC_SECRET if set (then
 it never touches the store), else rank 0 makes one and shares it here.
@@ -21,6 +27,7 @@ Every call here blocks (the store is C++); callers run them in a thread.
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import os
 import secrets
 import socket
@@ -46,6 +53,8 @@ def create_store(init_method: str, rank: int, world_size: int, timeout: float) -
         host, port = master_address(init_method)
         return _tcp_store(host, port, rank, world_size, wait, hosted_by_agent=False)
     if scheme == "env":
+        if dist.is_initialized():  # the default group's store already serves MASTER_PORT
+            return dist.distributed_c10d._get_default_store()
         host, port = master_address(init_method)
         agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         return _tcp_store(host, port, rank, world_size, wait, hosted_by_agent=agent_hosts)
@@ -54,6 +63,16 @@ def create_store(init_method: str, rank: int, world_size: int, timeout: float) -
             urlsplit(init_method).path, world_size
         )
     raise ValueError(f"unsupported init_method {init_method!r} (use tcp://, env:// or file://)")
+
+
+_jobs_joined = itertools.count()
+
+
+def scoped(store: Store) -> Store:
+    """The part of ``store`` for this process's next job: a store outlives a job (a
+    process group's, one passed to init_rpc twice), and a second job must not read the
+    first one's records.  Every rank of a job joins as many jobs before it, as in torch."""
+    return dist.PrefixStore(f"{PREFIX}/job{next(_jobs_joined)}", store)  # type: ignore[attr-defined]
 
 
 def master_address(init_method: str) -> tuple[str, int]:
@@ -72,10 +91,43 @@ def master_address(init_method: str) -> tuple[str, int]:
 def _tcp_store(
     host: str, port: int, rank: int, world_size: int, wait: timedelta, *, hosted_by_agent: bool
 ) -> Store:
-    is_master = rank == 0 and not hosted_by_agent
-    return dist.TCPStore(  # type: ignore[attr-defined]
-        host, port, world_size, is_master, wait, wait_for_workers=False
-    )
+    if rank != 0 or hosted_by_agent:
+        return dist.TCPStore(  # type: ignore[attr-defined]
+            host, port, world_size, False, wait, wait_for_workers=False
+        )
+    sock = _listening_socket(host, port)
+    try:
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            host,
+            port,
+            world_size,
+            True,
+            wait,
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns the descriptor now
+    return store
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host``'s address only: torch's TCPStore would listen on
+    every interface, and anyone who reaches the store can read the job secret in it."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        sock.close()
+        raise dist.DistNetworkError(
+            f"rank 0 cannot host the rendezvous store on {host}:{port}: {exc}"
+        ) from exc
+    return sock
 
 
 def listen_host_for(init_method: str, store: Store | None = None) -> str:
@@ -109,7 +161,7 @@ def job_secret(store: Store, rank: int) -> bytes:
     from_env = os.environ.get(SECRET_ENV)
     if from_env:
         return from_env.encode()
-    key = f"{PREFIX}/secret"
+    key = "secret"
     if rank == 0:
         store.set(key, secrets.token_bytes(32))
     return bytes(store.get(key))
@@ -119,9 +171,9 @@ def exchange(
     store: Store, rank: int, world_size: int, record: dict[str, Any], name: str
 ) -> list[dict[str, Any]]:
     """Publish our record, claim our name, and return every worker's record by rank."""
-    claims = store.add(f"{PREFIX}/name/{name}", 1)
-    store.set(f"{PREFIX}/worker/{rank}", msgpack.packb(record))
-    keys = [f"{PREFIX}/worker/{r}" for r in range(world_size)]
+    claims = store.add(f"name/{name}", 1)
+    store.set(f"worker/{rank}", msgpack.packb(record))
+    keys = [f"worker/{r}" for r in range(world_size)]
     store.wait(keys)
     records = [msgpack.unpackb(bytes(store.get(k))) for k in keys]
     if claims > 1:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import operator
+import socket
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+from asyncrpc.rendezvous import create_store
 from tests.cluster import free_port, run_job
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,7 +37,7 @@ def test_env_rendezvous_under_torchrun_uses_the_agent_store() -> None:
     }
     workers = run_job("rendezvous", env=env)
     assert [w.result["peer_says"] for w in workers] == ["w1", "w0"]
-    assert agent_store.check(["asyncrpc/worker/0", "asyncrpc/worker/1"])
+    assert agent_store.check(["asyncrpc/job0/worker/0", "asyncrpc/job0/worker/1"])
 
 
 def test_file_rendezvous(tmp_path: Path) -> None:
@@ -67,4 +70,33 @@ async def test_init_rpc_passes_its_options_to_the_agent(tmp_path: Path) -> None:
         assert agent is not None
         assert (agent.options.handshake_timeout, agent.options.busy_poll) == (3.5, 0)
     finally:
+        await asyncrpc.shutdown()
+
+
+def test_env_rendezvous_beside_a_process_group_uses_its_store() -> None:
+    """torch's RPC reuses the default group's store; binding MASTER_PORT again fails."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    workers = run_job("rendezvous_beside_process_group", env=env)
+    assert [w.result["peer_says"] for w in workers] == ["w1", "w0"]
+
+
+def test_rank0_hosts_the_store_on_the_job_address_only() -> None:
+    """The store holds the job secret: it must not answer on other addresses."""
+    port = free_port()
+    store = create_store(f"tcp://127.0.0.1:{port}", 0, 2, 10)
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    with pytest.raises(ConnectionRefusedError):  # another address of this host
+        socket.create_connection(("127.0.0.2", port), timeout=5)
+    with pytest.raises(dist.DistNetworkError, match="cannot host the rendezvous store"):
+        create_store(f"tcp://127.0.0.1:{port}", 0, 2, 10)
+    del store
+
+
+async def test_one_store_serves_jobs_in_a_row(tmp_path: Path) -> None:
+    import asyncrpc
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)  # type: ignore[attr-defined]
+    for _ in range(2):  # the second job must not read the first one's records
+        await asyncrpc.init_rpc("solo", rank=0, world_size=1, store=store)
+        assert await asyncrpc.rpc_async("solo", operator.add, args=(1, 2)) == 3
         await asyncrpc.shutdown()
