@@ -19,7 +19,7 @@ from asyncrpc.agent import (
     validate_name,
 )
 from asyncrpc.autograd.context import contexts_of
-from asyncrpc.errors import AgentStateError, RPCTimeoutError
+from asyncrpc.errors import AgentStateError, PeerLostError, RPCTimeoutError
 from asyncrpc.rendezvous import (
     Store,
     create_store,
@@ -120,6 +120,10 @@ async def _rendezvous(step: Callable[..., T], *args: Any) -> T:
     """Run a blocking store step in a thread; the store's timeouts become ours."""
     try:
         return await asyncio.to_thread(step, *args)
+    except dist.DistNetworkError as exc:
+        raise PeerLostError(
+            f"rendezvous failed: the store cannot be reached (rank 0 hosts it; did it fail?): {exc}"
+        ) from exc
     except dist.DistStoreError as exc:
         raise RPCTimeoutError(f"rendezvous did not complete: {exc}") from exc
 

@@ -366,9 +366,9 @@ async def rendezvous(cfg: Config) -> dict[str, Any]:
         await asyncrpc.init_rpc(
             name,
             rank=cfg.rank,
-            world_size=cfg.world,
-            init_method=os.environ["TEST_INIT_METHOD"],
-            rpc_timeout=15,
+            world_size=int(os.environ.get("TEST_WORLD_SIZE", str(cfg.world))),
+            init_method=os.environ.get("TEST_INIT_METHOD", f"tcp://127.0.0.1:{cfg.port}"),
+            rpc_timeout=float(os.environ.get("TEST_RPC_TIMEOUT", "15")),
         )
     except Exception as exc:
         return {"init_error": type(exc).__name__, "message": str(exc)}

@@ -38,6 +38,8 @@ from urllib.parse import urlsplit
 import msgpack
 import torch.distributed as dist
 
+from asyncrpc.errors import RPCTimeoutError
+
 Store = Any
 """``torch.distributed.Store`` (its stubs do not show the class to type checkers)."""
 
@@ -170,12 +172,18 @@ def job_secret(store: Store, rank: int) -> bytes:
 def exchange(
     store: Store, rank: int, world_size: int, record: dict[str, Any], name: str
 ) -> list[dict[str, Any]]:
-    """Publish our record, claim our name, and return every worker's record by rank."""
+    """Publish our record, claim our name, and return every worker's record by rank.
+
+    Every rank reads every record before rank 0 goes on, so a rank that finds a
+    duplicate name still reaches the store rank 0 hosts, and each rank says what
+    is wrong rather than only that the store went away."""
     claims = store.add(f"name/{name}", 1)
     store.set(f"worker/{rank}", msgpack.packb(record))
-    keys = [f"worker/{r}" for r in range(world_size)]
-    store.wait(keys)
-    records = [msgpack.unpackb(bytes(store.get(k))) for k in keys]
+    _wait_for_ranks(store, "worker", world_size, "joined", rank)
+    records = [msgpack.unpackb(bytes(store.get(f"worker/{r}"))) for r in range(world_size)]
+    store.set(f"read/{rank}", b"")
+    if rank == 0:
+        _wait_for_ranks(store, "read", world_size, "read the workers' addresses", rank)
     if claims > 1:
         raise ValueError(f"worker name {name!r} is used by more than one rank")
     seen: dict[str, int] = {}
@@ -186,3 +194,24 @@ def exchange(
             )
         seen[r["name"]] = r["rank"]
     return records
+
+
+_HOST_GRACE = timedelta(seconds=5)
+"""Rank 0 waits this much longer than the others, so that they time out first and can
+still read the store it hosts to say which ranks are missing."""
+
+
+def _wait_for_ranks(store: Store, prefix: str, world_size: int, what: str, rank: int) -> None:
+    """Wait until every rank has set ``prefix/<rank>``; a timeout names the missing ranks."""
+    keys = [f"{prefix}/{r}" for r in range(world_size)]
+    wait = store.timeout + (_HOST_GRACE if rank == 0 else timedelta(0))
+    try:
+        store.wait(keys, wait)
+    except dist.DistNetworkError:
+        raise
+    except RuntimeError:  # a timeout: DistStoreError from a TCPStore, plain from a FileStore
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise RPCTimeoutError(
+            f"rendezvous: rank(s) {missing} of {world_size} have not {what} "
+            f"within {wait.total_seconds():g}s"
+        ) from None

@@ -46,11 +46,21 @@ def test_file_rendezvous(tmp_path: Path) -> None:
     assert [w.result["peer_says"] for w in workers] == ["w1", "w0"]
 
 
-def test_duplicate_worker_names_fail_on_every_rank(tmp_path: Path) -> None:
-    env = {"TEST_INIT_METHOD": f"file://{tmp_path / 'store'}", "TEST_WORKER_NAME": "same"}
+@pytest.mark.parametrize("store", ["file", "tcp"])
+def test_duplicate_worker_names_fail_on_every_rank(tmp_path: Path, store: str) -> None:
+    env = {"TEST_WORKER_NAME": "same"}
+    if store == "file":  # (tcp: rank 0 hosts the store, and must wait for the others)
+        env["TEST_INIT_METHOD"] = f"file://{tmp_path / 'store'}"
     for worker in run_job("rendezvous", env=env):
         assert worker.result["init_error"] == "ValueError"
         assert "'same'" in worker.result["message"]
+
+
+def test_a_missing_worker_is_named_on_every_rank() -> None:
+    env = {"TEST_WORLD_SIZE": "3", "TEST_RPC_TIMEOUT": "3"}
+    for worker in run_job("rendezvous", env=env):
+        assert worker.result["init_error"] == "RPCTimeoutError"
+        assert "rank(s) [2] of 3 have not joined" in worker.result["message"]
 
 
 async def test_init_rpc_passes_its_options_to_the_agent(tmp_path: Path) -> None:
