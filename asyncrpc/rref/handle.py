@@ -178,6 +178,7 @@ class RRef(Generic[T]):
             elif not done.cancelled() and done.exception() is not None:
                 first.set_exception(done.exception())  # type: ignore[arg-type]
                 call.remove_done_callback(copy)  # a late reply must not keep `first` alive
+                call.add_done_callback(_retrieved)  # nor its error be logged as unseen
 
         call.add_done_callback(copy)
         creation.add_done_callback(copy)
@@ -230,6 +231,12 @@ class RRef(Generic[T]):
         call = _MethodCall(self, method)
         sent = self._context.agent.rpc_async(self._owner, call, args, kwargs, timeout)
         return self._unless_creation_fails(sent)
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Mark an outcome nobody waits for any more as seen (its error was raised already)."""
+    if not future.cancelled():
+        future.exception()
 
 
 _backward: Callable[[RRef[Any], int], Awaitable[None]] | None = None

@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import io
 import pickle
+import reprlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -160,6 +161,15 @@ def loads(payload: bytes | bytearray, buffers: Sequence[Any] = ()) -> Any:
         raise SerializationError(f"cannot deserialize payload: {exc!r}") from exc
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 3, 60, 60
+
+
 def _describe(value: Any) -> str:
-    text = repr(value)
+    """A short repr for an error message: bounded in depth and length (a 100k-deep
+    argument's full repr would itself raise RecursionError), never failing."""
+    try:
+        text = _SHORT.repr(value)
+    except Exception:
+        text = f"<{type(value).__qualname__} object>"
     return text if len(text) <= 120 else text[:117] + "..."

@@ -224,3 +224,19 @@ async def test_owner_to_here_timeout_is_an_rpc_timeout(
 async def test_remote_error_type_survives(trio: tuple[RpcAgent, RpcAgent, RpcAgent]) -> None:
     rref = remote("b", RemoteError, ("x",))  # a value that is itself an exception type
     assert isinstance(await rref.to_here(), RemoteError)
+
+
+async def test_remote_to_a_dead_worker_fails_once_and_logs_nothing(
+    trio: tuple[RpcAgent, RpcAgent, RpcAgent], caplog: pytest.LogCaptureFixture
+) -> None:
+    a, _, c = trio
+    await c.shutdown(graceful=False)
+    with acting_as(a):
+        rref = remote("c", torch.add, args=(torch.ones(2), 1))
+        with pytest.raises(ConnectionError, match="'c'"):
+            await rref.to_here()
+    del rref
+    await settled(trio)  # every message of the RRef layer has ended
+    gc.collect()
+    await asyncio.sleep(0)  # (the loop logs unretrieved errors from a callback)
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]

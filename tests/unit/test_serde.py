@@ -546,3 +546,12 @@ def test_read_only_numpy_array_sends_without_a_warning() -> None:
         warnings.simplefilter("error")
         payload, buffers = dumps(array)
     assert np.array_equal(loads(payload, receive(buffers)), array)
+
+
+def test_a_very_deep_value_raises_serialization_error_not_recursion_error() -> None:
+    deep: list[Any] = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(SerializationError, match="recursion") as caught:
+        dumps(deep)
+    assert len(str(caught.value)) < 300
