@@ -145,7 +145,8 @@ def rpc_async(
     """Call ``func(*args, **kwargs)`` on worker ``to``; returns a future of the result.
 
     The request is sent at once.  ``to`` is a worker name, a rank or a
-    WorkerInfo.  ``timeout`` (seconds) defaults to ``rpc_timeout``; 0 means none.
+    WorkerInfo.  ``timeout`` (seconds) defaults to ``rpc_timeout`` (so does a negative
+    one, as in torch); 0 means none.
     A remote exception is re-raised here as its own type (else ``RemoteError``)
     with the remote worker, function and traceback attached.
     """
@@ -162,7 +163,7 @@ def rpc_sync(
     """Blocking form of :func:`rpc_async`, for threads other than the event loop's
     (called on the loop thread it raises instead of deadlocking)."""
     agent = _agent()
-    limit = agent.options.rpc_timeout if timeout is None else timeout
+    limit = agent.options.timeout_for(timeout)
     return agent.run_blocking(
         lambda: agent.rpc_async(to, func, args, kwargs, timeout), limit, f"rpc_sync to {to!r}"
     )

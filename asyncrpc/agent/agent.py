@@ -99,6 +99,11 @@ class AgentOptions:
     busy_poll: float | None = None  # None: DEFAULT_BUSY_POLL while this host has a CPU each
     max_running_per_link: int = 4096
 
+    def timeout_for(self, timeout: float | None) -> float:
+        """A call's timeout in seconds, as torch reads it: None or negative (torch's
+        ``UNSET_RPC_TIMEOUT``, -1) means ``rpc_timeout``; 0 means none."""
+        return self.rpc_timeout if timeout is None or timeout < 0 else timeout
+
 
 @dataclass(slots=True)
 class PendingCall:
@@ -365,7 +370,7 @@ class RpcAgent:
             self._loop.create_future(),
             peer,
             name,
-            self.options.rpc_timeout if timeout is None else timeout,
+            self.options.timeout_for(timeout),
         )
         if call.timeout > 0:
             call.timer = self._loop.call_later(call.timeout, self._expire, call_id)

@@ -355,10 +355,10 @@ class Inbound:
                 self._reply_error(call, value)
 
     def _as_future(self, awaitable: Any, function: str) -> asyncio.Future[Any]:
-        if isinstance(awaitable, torch.futures.Future):
+        if isinstance(awaitable, torch._C.Future):  # also what Future.then() returns
             future = self._loop.create_future()
 
-            def done(source: torch.futures.Future[Any]) -> None:
+            def done(source: torch._C.Future[Any]) -> None:
                 self._loop.call_soon_threadsafe(_copy_torch_future, source, future)
 
             awaitable.add_done_callback(done)
@@ -436,7 +436,7 @@ async def _contained(coroutine: Coroutine[Any, Any, Any]) -> Any:
         raise as_exception(exc) from exc
 
 
-def _copy_torch_future(source: torch.futures.Future[Any], target: asyncio.Future[Any]) -> None:
+def _copy_torch_future(source: torch._C.Future[Any], target: asyncio.Future[Any]) -> None:
     if target.done():
         return
     try:

@@ -146,6 +146,7 @@ class RRef(Generic[T]):
 
     async def _local_value_within(self, timeout: float | None) -> T:
         future = self._context.value_of(self._id)
+        timeout = self._context.agent.options.timeout_for(timeout)
         if not timeout or future.done():
             return await future  # type: ignore[no-any-return]
         try:
@@ -265,7 +266,7 @@ class _Proxy:
             if kind == "remote":
                 return remote(rref._owner, _MethodCall(rref, method), args, kwargs, timeout)
             agent = rref._context.agent
-            limit = agent.options.rpc_timeout if timeout is None else timeout
+            limit = agent.options.timeout_for(timeout)
             return agent.run_blocking(
                 lambda: rref._call(method, args, kwargs, timeout), limit, f"{rref!r}.{method}"
             )

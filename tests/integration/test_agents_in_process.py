@@ -361,3 +361,36 @@ async def test_keyboard_interrupt_and_system_exit_fail_only_the_call(
     assert caught.value.remote_worker == "b"  # type: ignore[attr-defined]
     assert b.state == "running"
     assert await a.rpc_async("b", operator.add, args=(1, 2)) == 3  # the callee still serves
+
+
+# -- torch's meanings ---------------------------------------------------------------------
+
+
+@async_execution
+def chained_torch_future(x: int) -> Any:
+    """What torch tutorials do: reply with the future that ``then()`` returns."""
+    first: torch.futures.Future[int] = torch.futures.Future()
+    chained = first.then(lambda done: done.value() + 1)
+    first.set_result(x)
+    return chained
+
+
+async def test_async_execution_accepts_the_future_then_returns(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    a, _ = pair
+    assert await a.rpc_async("b", chained_torch_future, args=(41,)) == 42
+
+
+def test_negative_timeout_means_the_default_as_in_torch() -> None:
+    options = AgentOptions(rpc_timeout=7.0)
+    assert options.timeout_for(None) == options.timeout_for(-1) == options.timeout_for(-1.0) == 7
+    assert options.timeout_for(0) == 0  # no deadline
+    assert options.timeout_for(2.5) == 2.5
+
+
+async def test_a_call_with_timeout_minus_one_has_the_default_deadline() -> None:
+    options = AgentOptions(transports=("unix",), rpc_timeout=0.3)
+    async with joined_agents("ab", options) as (a, _):
+        with pytest.raises(RPCTimeoutError, match="after 0.3s"):
+            await a.rpc_async("b", wait_forever, timeout=-1)
