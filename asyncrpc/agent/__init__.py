@@ -10,7 +10,7 @@ from asyncrpc.agent.agent import (
 )
 from asyncrpc.agent.dispatch import async_execution, on_loop
 from asyncrpc.agent.notices import on_notice
-from asyncrpc.agent.transfer import Transfer, current_transfer, propagate
+from asyncrpc.agent.transfer import Transfer, current_transfer, propagate, start_after
 from asyncrpc.agent.worker import WorkerAddress, WorkerInfo, validate_name
 
 __all__ = (
@@ -27,6 +27,7 @@ __all__ = (
     "propagate",
     "current_agent",
     "current_transfer",
+    "start_after",
     "set_default_agent",
     "validate_name",
 )

@@ -137,9 +137,10 @@ class Inbound:
             link.abort(RemoteProtocolError(f"request without a call id from {link.peer.name!r}"))
             return
         call = IncomingCall(link, call_id, str(frame.meta.get("f", "?")))
+        waits: list[asyncio.Future[Any]] = []
         try:
             func, args, kwargs = loads_from(
-                self._agent, link.peer.rank, True, frame.payload, frame.buffers
+                self._agent, link.peer.rank, True, frame.payload, frame.buffers, waits=waits
             )
         except Exception as exc:
             self._reply_error(
@@ -153,7 +154,10 @@ class Inbound:
             return
         context = self._context.copy()
         apply_carried(context, frame.meta.get("c"))
-        self._start(call, context, func, args, kwargs)
+        if waits:
+            self._start_after(waits, call, lambda: self._start(call, context, func, args, kwargs))
+        else:
+            self._start(call, context, func, args, kwargs)
         self._apply_backpressure(link)
 
     def on_cancel(self, link: Link, frame: Frame) -> None:
@@ -167,6 +171,20 @@ class Inbound:
         future.cancel()
 
     # -- running -------------------------------------------------------------------
+
+    def _start_after(
+        self, waits: list[asyncio.Future[Any]], call: IncomingCall, start: Callable[[], None]
+    ) -> None:
+        """``start()`` ``call`` once every future in ``waits`` is done (whatever its
+        outcome: a value that failed to be made raises in the call itself)."""
+        self._links[call.link].running[call.call_id] = None  # counted; not cancellable yet
+
+        def ready(_: asyncio.Future[Any]) -> None:
+            calls = self._links.get(call.link)  # (gone with its link: nobody waits)
+            if calls is not None and calls.running.pop(call.call_id, False) is None:
+                start()
+
+        asyncio.gather(*waits, return_exceptions=True).add_done_callback(ready)
 
     def _start(
         self,

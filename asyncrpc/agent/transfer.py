@@ -15,6 +15,11 @@ A reducer that changes state while pickling registers an ``undo`` callback: if
 serialisation of the whole message fails, the message never leaves and every
 undo runs, so no state change outlives a message that was not sent.
 
+A reducer that finds, while a request is unpickled, something the call must not
+start without (the value of an RRef its owner is still making) calls
+:func:`start_after`: the call then starts once that future is done, without
+holding the loop or a thread meanwhile.
+
 Context variables registered with :func:`propagate` travel with every request
 (in the frame's header) and are set while the called function runs:
 distributed autograd uses this to run a callee inside the caller's context.
@@ -22,6 +27,7 @@ distributed autograd uses this to run a callee inside the caller's context.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +47,7 @@ class Transfer:
     peer_rank: int
     request: bool  # a request (else a reply); requests and replies use different links
     undo: list[Callable[[], None]] = field(default_factory=list)  # see dumps_for
+    waits: list[asyncio.Future[Any]] = field(default_factory=list)  # see start_after
 
 
 _transfer: contextvars.ContextVar[Transfer | None] = contextvars.ContextVar(
@@ -75,6 +82,13 @@ def apply_carried(context: contextvars.Context, values: Any) -> None:
 def current_transfer() -> Transfer | None:
     """The message being (de)serialised in this thread, if any."""
     return _transfer.get()
+
+
+def start_after(future: asyncio.Future[Any]) -> None:
+    """While a request is unpickled: its call starts only once ``future`` is done."""
+    transfer = _transfer.get()
+    if transfer is not None and transfer.request and not future.done():
+        transfer.waits.append(future)
 
 
 Undo = list[Callable[[], None]]
@@ -112,9 +126,12 @@ def loads_from(
     request: bool,
     payload: bytes | bytearray,
     buffers: Sequence[Any],
+    *,
+    waits: list[asyncio.Future[Any]] | None = None,
 ) -> Any:
-    """``serde.loads`` for a message that came from ``peer_rank``."""
-    token = _transfer.set(Transfer(agent, peer_rank, request))
+    """``serde.loads`` for a message that came from ``peer_rank``; a request's call must
+    not start before the futures added to ``waits`` are done (see :func:`start_after`)."""
+    token = _transfer.set(Transfer(agent, peer_rank, request, waits=[] if waits is None else waits))
     try:
         return loads(payload, buffers)
     finally:

@@ -24,7 +24,14 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
-from asyncrpc.agent import RpcAgent, WorkerInfo, async_execution, current_agent, current_transfer
+from asyncrpc.agent import (
+    RpcAgent,
+    WorkerInfo,
+    async_execution,
+    current_agent,
+    current_transfer,
+    start_after,
+)
 from asyncrpc.agent.dispatch import function_name
 from asyncrpc.errors import (
     AgentStateError,
@@ -477,6 +484,8 @@ def _rebuild_rref(rref: RRefId, owner: int, fork: ForkId | None, parent: int) ->
         raise RRefError(
             f"RRef {rref} does not exist on its owner {context.agent.info.name!r} any more"
         ) from None
+    if owner == context.rank:  # a call given its owner's RRef starts once the value is made
+        start_after(context.value_of(rref))  # (so local_value() works in it, as in torch)
     return RRef._attach(context, rref, owner)
 
 

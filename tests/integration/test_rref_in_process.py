@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import copy
 import gc
+import operator
 import pickle
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -240,3 +241,57 @@ async def test_remote_to_a_dead_worker_fails_once_and_logs_nothing(
     gc.collect()
     await asyncio.sleep(0)  # (the loop logs unretrieved errors from a callback)
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+class Gate:
+    opened: asyncio.Event
+
+
+async def made_later(value: int) -> int:
+    await Gate.opened.wait()
+    return value
+
+
+def read_local_value(rref: RRef[int]) -> int:
+    return rref.local_value() + 1
+
+
+async def read_local_value_on_loop(rref: RRef[int]) -> int:
+    return rref.local_value() + 1
+
+
+@pytest.mark.parametrize("reader", [read_local_value, read_local_value_on_loop])
+async def test_a_call_given_its_owners_rref_starts_once_the_value_is_made(
+    trio: tuple[RpcAgent, RpcAgent, RpcAgent], reader: Any
+) -> None:
+    """As in torch (the RL and parameter-server tutorials rely on it): a call right after
+    remote(), to the owner, with the RRef, sees the value; so does one from a worker the
+    RRef was passed to."""
+    a, _, _ = trio
+    Gate.opened = asyncio.Event()
+    with acting_as(a):
+        rref = remote("b", made_later, args=(41,))
+        direct = a.rpc_async("b", reader, args=(rref,))
+        forwarded = a.rpc_async("c", forward_to_owner, args=(rref, reader))
+    await asyncio.sleep(0.05)
+    assert not direct.done() and not forwarded.done()  # nothing is made yet: they wait
+    Gate.opened.set()
+    assert await asyncio.wait_for(asyncio.gather(direct, forwarded), 10) == [42, 42]
+
+
+async def forward_to_owner(rref: RRef[int], reader: Any) -> int:
+    from asyncrpc.agent import current_agent
+
+    agent = current_agent()  # (c's, in this call)
+    assert agent is not None
+    return await agent.rpc_async("b", reader, args=(rref,))  # type: ignore[no-any-return]
+
+
+async def test_a_call_given_an_rref_whose_making_failed_raises_that_error(
+    trio: tuple[RpcAgent, RpcAgent, RpcAgent],
+) -> None:
+    a, _, _ = trio
+    with acting_as(a):
+        rref = remote("b", operator.truediv, args=(1, 0))
+        with pytest.raises(ZeroDivisionError):
+            await a.rpc_async("b", read_local_value, args=(rref,))
