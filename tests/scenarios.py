@@ -391,3 +391,33 @@ async def rendezvous_beside_process_group(cfg: Config) -> dict[str, Any]:
     finally:
         dist.destroy_process_group()
     return seen
+
+
+async def ddp_in_autograd_context(cfg: Config) -> dict[str, Any]:
+    """Two DDP replicas trained through distributed autograd stay equal, and their
+    gradients are the average of what each would compute alone."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from asyncrpc import autograd
+
+    dist.init_process_group("gloo", init_method="env://", rank=cfg.rank, world_size=cfg.world)
+    await asyncrpc.init_rpc(cfg.name, rank=cfg.rank, world_size=cfg.world, rpc_timeout=30)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(3, 2))
+    seen: dict[str, Any] = {"steps": []}
+    for step in range(3):  # DDP's next forward must not find a reduction still pending
+        batch = torch.full((4, 3), float(cfg.rank + step + 1))
+        alone = torch.autograd.grad(model.module(batch).sum(), list(model.module.parameters()))
+        async with autograd.context() as ctx:
+            remote_part = await asyncrpc.rpc_async(f"w{1 - cfg.rank}", torch.mul, args=(batch, 1))
+            loss = model(remote_part.requires_grad_()).sum()
+            await autograd.backward(ctx, [loss])
+            grads = autograd.get_gradients(ctx)
+            got = [grads[p] for p in model.module.parameters()]
+        seen["steps"].append(
+            {"alone": [g.tolist() for g in alone], "got": [g.tolist() for g in got]}
+        )
+    await asyncrpc.shutdown()
+    dist.destroy_process_group()
+    return seen

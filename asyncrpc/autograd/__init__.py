@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 import torch
 
 from asyncrpc.agent import RpcAgent, current_agent
+from asyncrpc.autograd import ddp
 from asyncrpc.autograd.context import ContextId, contexts_of, current_context_id
 from asyncrpc.autograd.engine import run_backward
 from asyncrpc.errors import AgentStateError
@@ -40,9 +41,11 @@ async def context() -> AsyncIterator[ContextId]:
     contexts = contexts_of(agent)
     opened = contexts.new_context()
     token = current_context_id.set(opened.id)
+    ddp.opened(contexts)
     try:
         yield opened.id
     finally:
+        ddp.closed()
         current_context_id.reset(token)
         contexts.release_everywhere(opened.id)
 
@@ -56,6 +59,9 @@ async def backward(
 
     Graphs are kept until the context is released (``retain_graph`` is accepted for
     compatibility: a context may be backpropagated again until it closes).
+    DistributedDataParallel modules run in the context on this worker get their
+    gradients averaged over their group, as a local backward would (see
+    :mod:`asyncrpc.autograd.ddp`).
     """
     agent = _agent()
     context = contexts_of(agent).get(context_id)
@@ -63,6 +69,7 @@ async def backward(
         if root.numel() != 1:
             raise ValueError(f"backward roots must be scalars, not of shape {tuple(root.shape)}")
     await run_backward(agent, context, [(root, torch.ones_like(root)) for root in roots])
+    await ddp.average_gradients(context)
 
 
 def get_gradients(context_id: ContextId) -> dict[torch.Tensor, torch.Tensor]:

@@ -69,6 +69,7 @@ class AutogradContext:
     recvs: dict[int, Recv] = field(default_factory=dict)  # id(tensor) -> Recv
     peers: set[int] = field(default_factory=set)  # ranks we exchanged tensors with
     grads: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
+    ddp: list[Any] = field(default_factory=list)  # DDP modules run here (autograd/ddp.py)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor) -> None:
