@@ -18,15 +18,11 @@ trainer's ``DistributedOptimizer`` over the embedding's parameter RRefs (from
 ``remote_parameters()``) and its Linear's (``asyncrpc.RRef(p)``): each owner updates
 its own, and ``ps`` serialises the two trainers' steps on the shared table.
 
-DDP and asyncrpc: DDP averages gradients in hooks that fire when the local autograd
-engine accumulates a parameter's gradient into ``.grad``.  asyncrpc's distributed
-backward instead computes the gradients of the leaves with ``torch.autograd.grad``
-into the context, which does not fire those hooks, so DDP does not synchronise them.
-The trainers therefore average the Linear's gradients in the context themselves
-(``all_reduce`` over the same process group, in place on the tensors that
-``get_gradients`` returns) before the optimizer step, which would be harmless were
-they averaged already, and the example checks that the two trainers' Linear weights
-stay identical.
+DDP and asyncrpc: as in torch, the DDP Linear's gradients are averaged over the
+trainers' group by the distributed backward itself (asyncrpc runs a DDP forward inside
+a context as under ``no_sync()`` and all-reduces its parameters' gradients in the
+context when the backward is done; see docs/autograd.md), and the example checks that
+the two trainers' Linear weights stay identical.
 
 The task is synthetic but learnable: a bag of random indices is labelled with the
 class a fixed "teacher" table scores highest for the bag (summed over its indices),
@@ -54,7 +50,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import asyncrpc
-from asyncrpc.autograd import backward, context, get_gradients
+from asyncrpc.autograd import backward, context
 from asyncrpc.nn import RemoteModule
 from asyncrpc.optim import DistributedOptimizer
 
@@ -104,13 +100,6 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-def average_gradients(grads: list[torch.Tensor]) -> None:
-    """Average the trainers' gradients in place (blocking: run it off the event loop)."""
-    for grad in grads:
-        dist.all_reduce(grad)
-        grad.div_(dist.get_world_size())
-
-
 async def train_step(
     model: HybridModel,
     opt: DistributedOptimizer,
@@ -120,11 +109,7 @@ async def train_step(
     async with context() as ctx:
         output = await model(indices, offsets)
         loss = nn.functional.cross_entropy(output, target)
-        await backward(ctx, [loss])
-        # DDP's allreduce hooks do not fire under asyncrpc's backward (see the module
-        # docstring): average the dense part's gradients in this context explicitly.
-        grads = get_gradients(ctx)
-        await asyncio.to_thread(average_gradients, [grads[p] for p in model.fc.parameters()])
+        await backward(ctx, [loss])  # (the DDP Linear's gradients: averaged over trainers)
         await opt.step(ctx)
     return loss.item()
 

@@ -10,11 +10,12 @@ Theory of operation
   hosts the store, so every rank connects as a client and none binds it;
 * ``file://path`` -- a ``FileStore`` shared by the ranks.
 
-Under ``env://`` in a process whose default process group is up, that group's
-store is used (it already serves MASTER_PORT).  Rank 0 hosts a TCPStore on the
-init_method's address only (torch's would listen on every interface).  Each
-job's keys live under a per-process job counter (:func:`scoped`), as torch's RPC
-does, so one store can serve several jobs in a row.
+Rank 0 hosts a TCPStore on the init_method's address only (torch's would listen
+on every interface).  Its store is multi-tenant, as torch's rendezvous makes
+them: where this process already serves that port (a process group's store on
+MASTER_PORT), the server is shared.  Each job's keys live under a per-process
+job counter (:func:`scoped`), as torch's RPC does, so one store can serve
+several jobs in a row.
 
 Each worker publishes one msgpack record under ``asyncrpc/job<n>/worker/<rank>`` and
 reads everyone's; names are claimed with an atomic counter so a duplicate is
@@ -26,6 +27,7 @@ Every call here blocks (the store is C++); callers run them in a thread.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import itertools
 import os
@@ -55,8 +57,6 @@ def create_store(init_method: str, rank: int, world_size: int, timeout: float) -
         host, port = master_address(init_method)
         return _tcp_store(host, port, rank, world_size, wait, hosted_by_agent=False)
     if scheme == "env":
-        if dist.is_initialized():  # the default group's store already serves MASTER_PORT
-            return dist.distributed_c10d._get_default_store()
         host, port = master_address(init_method)
         agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         return _tcp_store(host, port, rank, world_size, wait, hosted_by_agent=agent_hosts)
@@ -106,18 +106,23 @@ def _tcp_store(
             True,
             wait,
             wait_for_workers=False,
-            master_listen_fd=sock.fileno(),
+            multi_tenant=True,
+            master_listen_fd=None if sock is None else sock.fileno(),
         )
     except BaseException:
-        sock.close()
+        if sock is not None:
+            sock.close()
         raise
-    sock.detach()  # the store's server owns the descriptor now
+    if sock is not None:
+        sock.detach()  # the store's server owns the descriptor now
     return store
 
 
-def _listening_socket(host: str, port: int) -> socket.socket:
+def _listening_socket(host: str, port: int) -> socket.socket | None:
     """A socket listening on ``host``'s address only: torch's TCPStore would listen on
-    every interface, and anyone who reaches the store can read the job secret in it."""
+    every interface, and anyone who reaches the store can read the job secret in it.
+    None if the port is taken: perhaps by this very process (a process group's store),
+    whose server the store then shares, else the store says the port is in use."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     try:
@@ -126,6 +131,8 @@ def _listening_socket(host: str, port: int) -> socket.socket:
         sock.listen(socket.SOMAXCONN)
     except OSError as exc:
         sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            return None
         raise dist.DistNetworkError(
             f"rank 0 cannot host the rendezvous store on {host}:{port}: {exc}"
         ) from exc

@@ -83,8 +83,8 @@ async def test_init_rpc_passes_its_options_to_the_agent(tmp_path: Path) -> None:
         await asyncrpc.shutdown()
 
 
-def test_env_rendezvous_beside_a_process_group_uses_its_store() -> None:
-    """torch's RPC reuses the default group's store; binding MASTER_PORT again fails."""
+def test_env_rendezvous_beside_a_process_group_shares_its_store_server() -> None:
+    """As torch's RPC does: rank 0 shares the server already on MASTER_PORT in-process."""
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     workers = run_job("rendezvous_beside_process_group", env=env)
     assert [w.result["peer_says"] for w in workers] == ["w1", "w0"]
@@ -97,9 +97,16 @@ def test_rank0_hosts_the_store_on_the_job_address_only() -> None:
     socket.create_connection(("127.0.0.1", port), timeout=5).close()
     with pytest.raises(ConnectionRefusedError):  # another address of this host
         socket.create_connection(("127.0.0.2", port), timeout=5)
-    with pytest.raises(dist.DistNetworkError, match="cannot host the rendezvous store"):
-        create_store(f"tcp://127.0.0.1:{port}", 0, 2, 10)
     del store
+
+
+def test_rank0_reports_a_port_taken_by_another_process() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(dist.DistNetworkError, match=r"(?i)in use"):
+            create_store(f"tcp://127.0.0.1:{port}", 0, 2, 10)
 
 
 async def test_one_store_serves_jobs_in_a_row(tmp_path: Path) -> None:
