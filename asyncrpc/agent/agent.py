@@ -16,6 +16,12 @@ of its link (``PeerLostError`` at once, naming the peer).
 Incoming: see :mod:`asyncrpc.agent.dispatch` for where a function runs.  Under
 a backlog of running calls a link stops reading until the backlog halves.
 
+Sizes: both ends of a link announced their ``max_frame_size`` in the
+handshake, and a message above the smaller one fails alone, on the sending
+side, with ``LocalProtocolError``: a request at once from ``rpc_async`` (or
+through its future when the link was still being dialed), a reply as the
+call's ERROR reply.  The link stays up.
+
 Shutdown (graceful) is two barriers; we keep serving throughout.  Phase 1: wait
 for our own calls to finish, tell every peer SHUTDOWN, and wait until every
 peer has said so too or is known dead.  Now no user code anywhere starts a
@@ -56,7 +62,14 @@ from asyncrpc.errors import (
     UnknownWorkerError,
 )
 from asyncrpc.serde import allocate_tensor_storage
-from asyncrpc.transport import Link, SegmentPool, dial, host_identity, listen
+from asyncrpc.transport import (
+    Link,
+    SegmentPool,
+    dial,
+    host_identity,
+    listen,
+    too_large,
+)
 from asyncrpc.wire import DEFAULT_MAX_FRAME_SIZE, Frame, Handshake, Identity, Kind, Role
 
 log = logging.getLogger("asyncrpc.agent")
@@ -343,13 +356,11 @@ class RpcAgent:
         payload, buffers, reverts = dumps_for(
             self, target.rank, True, (func, args or (), kwargs or {})
         )
+        link = self._links.get(peer)
         size = len(payload) + sum(b.nbytes for b in buffers)
-        if size > self.options.max_frame_size:
+        if size > (self.options.max_frame_size if link is None else link.max_send_size):
             undo(reverts)
-            raise LocalProtocolError(
-                f"call to {name} on worker {peer!r} carries {size} bytes, more than "
-                f"max_frame_size ({self.options.max_frame_size})"
-            )
+            raise self._too_large(link, peer, name, size)
         call_id = next(self._ids)
         call = PendingCall(
             self._loop.create_future(),
@@ -369,12 +380,18 @@ class RpcAgent:
         if notices:
             meta["n"] = notices
         request = OutgoingRequest(call_id, meta, payload, buffers, reverts)
-        link = self._links.get(peer)
         if link is not None:
             self._send_request(link, request)
         else:
             self._spawn(self._send_after_dial(peer, request))
         return call.future
+
+    def _too_large(self, link: Link | None, peer: str, name: str, size: int) -> LocalProtocolError:
+        """A call too large for the link's limits (ours alone while it is not dialed)."""
+        ours = {self.info.name: self.options.max_frame_size}
+        limits = link.max_frame_sizes if link is not None else ours
+        what = f"call to {name} on worker {peer!r}"
+        return too_large(what, size, limits, worker=peer, function=name)
 
     def notify(self, to: str | int | WorkerInfo, key: str, *args: Any) -> None:
         """Queue a one-way notice for a peer (see :mod:`asyncrpc.agent.notices`): it rides
@@ -414,7 +431,13 @@ class RpcAgent:
 
     def _send_request(self, link: Link, request: OutgoingRequest) -> None:
         try:
-            link.send(Kind.REQUEST, request.meta, request.payload, request.buffers)
+            link.send(
+                Kind.REQUEST,
+                request.meta,
+                request.payload,
+                request.buffers,
+                function=request.meta["f"],
+            )
         except Exception as exc:  # e.g. no shared memory left: the call fails, visibly
             undo(request.undo)
             self._finish(request.call_id, error=exc)
@@ -529,12 +552,13 @@ class RpcAgent:
     # -- link events ---------------------------------------------------------------
 
     def _new_link(self, role: Role) -> Link:
-        handshake = Handshake(role, self._secret, self.identity)
+        handshake = Handshake(
+            role, self._secret, self.identity, max_frame_size=self.options.max_frame_size
+        )
         return Link(
             self,
             handshake,
             allocate=allocate_tensor_storage,
-            max_frame_size=self.options.max_frame_size,
             segments=self._segments,
             handshake_timeout=self.options.handshake_timeout,
         )
