@@ -14,7 +14,10 @@ its deadline (``RPCTimeoutError``, and a CANCEL to the callee), or by the loss
 of its link (``PeerLostError`` at once, naming the peer).
 
 Incoming: see :mod:`asyncrpc.agent.dispatch` for where a function runs.  Under
-a backlog of running calls a link stops reading until the backlog halves.
+a backlog of running calls a link stops reading until the backlog halves.  At
+most ``max_pending_handshakes`` accepted connections may be authenticating at
+once (:mod:`asyncrpc.transport.admission`); each for ``handshake_timeout`` at
+most.
 
 Sizes: both ends of a link announced their ``max_frame_size`` in the
 handshake, and a message above the smaller one fails alone, on the sending
@@ -63,6 +66,7 @@ from asyncrpc.errors import (
 )
 from asyncrpc.serde import allocate_tensor_storage
 from asyncrpc.transport import (
+    Admission,
     Link,
     SegmentPool,
     dial,
@@ -111,6 +115,7 @@ class AgentOptions:
     handshake_timeout: float = 10.0
     busy_poll: float | None = None  # None: DEFAULT_BUSY_POLL while this host has a CPU each
     max_running_per_link: int = 4096
+    max_pending_handshakes: int = 64  # inbound connections authenticating at once
 
 
 @dataclass(slots=True)
@@ -154,6 +159,7 @@ class RpcAgent:
         self._workers: dict[str, WorkerAddress] = {}
         self._by_rank: dict[int, WorkerAddress] = {}
         self._servers: list[asyncio.AbstractServer] = []
+        self._admission = Admission(options.max_pending_handshakes)
         self._links: dict[str, Link] = {}  # outgoing, by peer name
         self._dials: dict[str, asyncio.Future[Link]] = {}
         self._pending: dict[int, PendingCall] = {}
@@ -563,11 +569,12 @@ class RpcAgent:
             handshake_timeout=self.options.handshake_timeout,
         )
 
-    def _inbound_link(self) -> Link:
-        return self._new_link(Role.LISTENER)
+    def _inbound_link(self) -> asyncio.BaseProtocol:
+        return self._admission.admit(lambda: self._new_link(Role.LISTENER))
 
     def link_established(self, link: Link) -> None:
         if link.handshake.role is Role.LISTENER:
+            self._admission.settled(link)
             self._inbound.add_link(link)
 
     def frame_received(self, link: Link, frame: Frame) -> None:
@@ -592,6 +599,7 @@ class RpcAgent:
         self._poller.kick()  # a request or a reply left: an answer, or the next call, may follow
 
     def link_lost(self, link: Link, exc: BaseException) -> None:
+        self._admission.settled(link)
         self._inbound.drop_link(link)
         peer = link.handshake.peer
         if (
@@ -629,6 +637,8 @@ class RpcAgent:
             "queued_notices": len(self._notices),
             "running_incoming_calls": self._inbound.running,
             "connected_peers": sorted(peers),
+            "pending_handshakes": self._admission.pending,
+            "refused_connections": self._admission.refused,
             "dead_peers": sorted(self._dead),
             "shared_memory": self._segments.stats if self._segments else None,
         }

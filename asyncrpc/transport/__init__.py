@@ -1,5 +1,6 @@
 """Connections: authenticated, framed links over tcp and unix sockets; same-host shared memory."""
 
+from asyncrpc.transport.admission import Admission
 from asyncrpc.transport.endpoints import SCHEMES, dial, listen
 from asyncrpc.transport.link import Link, LinkHandler, too_large
 from asyncrpc.transport.shm import SHM_THRESHOLD, SegmentMapper, SegmentPool, host_identity
@@ -7,6 +8,7 @@ from asyncrpc.transport.shm import SHM_THRESHOLD, SegmentMapper, SegmentPool, ho
 __all__ = (
     "SCHEMES",
     "SHM_THRESHOLD",
+    "Admission",
     "Link",
     "LinkHandler",
     "SegmentMapper",
