@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from asyncrpc.agent import AgentOptions, RpcAgent
@@ -11,10 +11,13 @@ SECRET = b"in-process test secret"
 
 
 @asynccontextmanager
-async def joined_agents(names: str, options: AgentOptions) -> AsyncIterator[list[RpcAgent]]:
+async def joined_agents(
+    names: str, options: AgentOptions | Sequence[AgentOptions]
+) -> AsyncIterator[list[RpcAgent]]:
     """One agent per letter of ``names`` (rank = position), started and joined; shut
-    down (not gracefully) on exit."""
-    agents = [RpcAgent(name, rank, SECRET, options) for rank, name in enumerate(names)]
+    down (not gracefully) on exit.  ``options``: for all, or one per agent."""
+    each = [options] * len(names) if isinstance(options, AgentOptions) else list(options)
+    agents = [RpcAgent(name, rank, SECRET, each[rank]) for rank, name in enumerate(names)]
     addresses = [await agent.start() for agent in agents]
     for agent in agents:
         agent.join(addresses)

@@ -14,7 +14,16 @@ its deadline (``RPCTimeoutError``, and a CANCEL to the callee), or by the loss
 of its link (``PeerLostError`` at once, naming the peer).
 
 Incoming: see :mod:`asyncrpc.agent.dispatch` for where a function runs.  Under
-a backlog of running calls a link stops reading until the backlog halves.
+a backlog of running calls a link stops reading until the backlog halves.  At
+most ``max_pending_handshakes`` accepted connections may be authenticating at
+once (:mod:`asyncrpc.transport.admission`); each for ``handshake_timeout`` at
+most.
+
+Sizes: both ends of a link announced their ``max_frame_size`` in the
+handshake, and a message above the smaller one fails alone, on the sending
+side, with ``LocalProtocolError``: a request at once from ``rpc_async`` (or
+through its future when the link was still being dialed), a reply as the
+call's ERROR reply.  The link stays up.
 
 Shutdown (graceful) is two barriers; we keep serving throughout.  Phase 1: wait
 for our own calls to finish, tell every peer SHUTDOWN, and wait until every
@@ -56,7 +65,15 @@ from asyncrpc.errors import (
     UnknownWorkerError,
 )
 from asyncrpc.serde import allocate_tensor_storage
-from asyncrpc.transport import Link, SegmentPool, dial, host_identity, listen
+from asyncrpc.transport import (
+    Admission,
+    Link,
+    SegmentPool,
+    dial,
+    host_identity,
+    listen,
+    too_large,
+)
 from asyncrpc.wire import DEFAULT_MAX_FRAME_SIZE, Frame, Handshake, Identity, Kind, Role
 
 log = logging.getLogger("asyncrpc.agent")
@@ -98,6 +115,7 @@ class AgentOptions:
     handshake_timeout: float = 10.0
     busy_poll: float | None = None  # None: DEFAULT_BUSY_POLL while this host has a CPU each
     max_running_per_link: int = 4096
+    max_pending_handshakes: int = 64  # inbound connections authenticating at once
 
     def timeout_for(self, timeout: float | None) -> float:
         """A call's timeout in seconds, as torch reads it: None or negative (torch's
@@ -146,6 +164,7 @@ class RpcAgent:
         self._workers: dict[str, WorkerAddress] = {}
         self._by_rank: dict[int, WorkerAddress] = {}
         self._servers: list[asyncio.AbstractServer] = []
+        self._admission = Admission(options.max_pending_handshakes)
         self._links: dict[str, Link] = {}  # outgoing, by peer name
         self._dials: dict[str, asyncio.Future[Link]] = {}
         self._pending: dict[int, PendingCall] = {}
@@ -358,13 +377,11 @@ class RpcAgent:
         payload, buffers, reverts = dumps_for(
             self, target.rank, True, (func, args or (), kwargs or {})
         )
+        link = self._links.get(peer)
         size = len(payload) + sum(b.nbytes for b in buffers)
-        if size > self.options.max_frame_size:
+        if size > (self.options.max_frame_size if link is None else link.max_send_size):
             undo(reverts)
-            raise LocalProtocolError(
-                f"call to {name} on worker {peer!r} carries {size} bytes, more than "
-                f"max_frame_size ({self.options.max_frame_size})"
-            )
+            raise self._too_large(link, peer, name, size)
         call_id = next(self._ids)
         call = PendingCall(
             self._loop.create_future(),
@@ -384,12 +401,18 @@ class RpcAgent:
         if notices:
             meta["n"] = notices
         request = OutgoingRequest(call_id, meta, payload, buffers, reverts)
-        link = self._links.get(peer)
         if link is not None:
             self._send_request(link, request)
         else:
             self._spawn(self._send_after_dial(peer, request))
         return call.future
+
+    def _too_large(self, link: Link | None, peer: str, name: str, size: int) -> LocalProtocolError:
+        """A call too large for the link's limits (ours alone while it is not dialed)."""
+        ours = {self.info.name: self.options.max_frame_size}
+        limits = link.max_frame_sizes if link is not None else ours
+        what = f"call to {name} on worker {peer!r}"
+        return too_large(what, size, limits, worker=peer, function=name)
 
     def notify(self, to: str | int | WorkerInfo, key: str, *args: Any) -> None:
         """Queue a one-way notice for a peer (see :mod:`asyncrpc.agent.notices`): it rides
@@ -429,7 +452,13 @@ class RpcAgent:
 
     def _send_request(self, link: Link, request: OutgoingRequest) -> None:
         try:
-            link.send(Kind.REQUEST, request.meta, request.payload, request.buffers)
+            link.send(
+                Kind.REQUEST,
+                request.meta,
+                request.payload,
+                request.buffers,
+                function=request.meta["f"],
+            )
         except Exception as exc:  # e.g. no shared memory left: the call fails, visibly
             undo(request.undo)
             self._finish(request.call_id, error=exc)
@@ -544,21 +573,23 @@ class RpcAgent:
     # -- link events ---------------------------------------------------------------
 
     def _new_link(self, role: Role) -> Link:
-        handshake = Handshake(role, self._secret, self.identity)
+        handshake = Handshake(
+            role, self._secret, self.identity, max_frame_size=self.options.max_frame_size
+        )
         return Link(
             self,
             handshake,
             allocate=allocate_tensor_storage,
-            max_frame_size=self.options.max_frame_size,
             segments=self._segments,
             handshake_timeout=self.options.handshake_timeout,
         )
 
-    def _inbound_link(self) -> Link:
-        return self._new_link(Role.LISTENER)
+    def _inbound_link(self) -> asyncio.BaseProtocol:
+        return self._admission.admit(lambda: self._new_link(Role.LISTENER))
 
     def link_established(self, link: Link) -> None:
         if link.handshake.role is Role.LISTENER:
+            self._admission.settled(link)
             self._inbound.add_link(link)
 
     def frame_received(self, link: Link, frame: Frame) -> None:
@@ -583,6 +614,7 @@ class RpcAgent:
         self._poller.kick()  # a request or a reply left: an answer, or the next call, may follow
 
     def link_lost(self, link: Link, exc: BaseException) -> None:
+        self._admission.settled(link)
         self._inbound.drop_link(link)
         peer = link.handshake.peer
         if (
@@ -627,6 +659,8 @@ class RpcAgent:
             "queued_notices": len(self._notices),
             "running_incoming_calls": self._inbound.running,
             "connected_peers": sorted(peers),
+            "pending_handshakes": self._admission.pending,
+            "refused_connections": self._admission.refused,
             "dead_peers": sorted(self._dead),
             "shared_memory": self._segments.stats if self._segments else None,
         }

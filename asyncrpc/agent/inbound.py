@@ -30,10 +30,13 @@ through a pool thread; a new kind, or a slow one, goes to the pool.  (Never for
 user functions: one of those may block on the loop it would be running on.)
 
 Every call ends in exactly one RESPONSE or ERROR frame, unless its link is
-gone (then nobody is waiting).  A CANCEL from the caller (its deadline passed)
-cancels a task or awaitable; a pool thread cannot be interrupted, and its
-late result is dropped.  Per link, more than ``max_running`` calls in flight
-pause reading until half of them have finished.
+gone (then nobody is waiting).  A reply larger than the caller accepts (its
+``max_frame_size``, announced in the handshake) is not sent: the call's ERROR
+reply is the ``LocalProtocolError`` that says so, and the link stays up.  A
+CANCEL from the caller (its deadline passed) cancels a task or awaitable; a
+pool thread cannot be interrupted, and its late result is dropped.  Per link,
+more than ``max_running`` calls in flight pause reading until half of them
+have finished.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import logging
 import threading
 import time
 from collections import deque
@@ -53,12 +57,19 @@ import torch
 from asyncrpc.agent.dispatch import Placement, as_exception, describe, pack_error
 from asyncrpc.agent.pool import WorkerPool
 from asyncrpc.agent.transfer import Undo, apply_carried, dumps_for, loads_from, undo
-from asyncrpc.errors import RemoteError, RemoteProtocolError, SerializationError
+from asyncrpc.errors import (
+    LocalProtocolError,
+    RemoteError,
+    RemoteProtocolError,
+    SerializationError,
+)
 from asyncrpc.transport import Link
 from asyncrpc.wire import Frame, Kind
 
 if TYPE_CHECKING:
     from asyncrpc.agent.agent import RpcAgent
+
+log = logging.getLogger("asyncrpc.agent")
 
 # Seconds.  A trip through a pool thread costs two thread wake-ups (50 to 500 µs on small
 # VMs); stalling the loop for less than a millisecond costs other calls no more than that.
@@ -341,10 +352,10 @@ class Inbound:
         reverts: Undo = []
         try:
             payload, buffers, reverts = dumps_for(self._agent, call.link.peer.rank, False, run())
-            outcome: tuple[bool, Any] = (
-                True,
-                call.link.encode(Kind.RESPONSE, {"i": call.call_id}, payload, buffers),
+            parts = call.link.encode(
+                Kind.RESPONSE, {"i": call.call_id}, payload, buffers, function=call.function
             )
+            outcome: tuple[bool, Any] = (True, parts)
         except BaseException as exc:
             undo(reverts)
             outcome = (False, exc)
@@ -409,7 +420,9 @@ class Inbound:
         reverts: Undo = []
         try:
             payload, buffers, reverts = dumps_for(self._agent, call.link.peer.rank, False, result)
-            call.link.send(Kind.RESPONSE, {"i": call.call_id}, payload, buffers)
+            call.link.send(
+                Kind.RESPONSE, {"i": call.call_id}, payload, buffers, function=call.function
+            )
         except Exception as exc:
             undo(reverts)
             self._reply_error(call, exc)
@@ -420,10 +433,22 @@ class Inbound:
         )
 
     def _reply_error(self, call: IncomingCall, exc: BaseException) -> None:
-        if not call.link.closed:
-            call.link.send(
-                Kind.ERROR, {"i": call.call_id}, *pack_error(exc, self.worker, call.function)
-            )
+        """Send ``exc`` as the call's ERROR reply.  An error too large for the caller is
+        replaced by the LocalProtocolError saying so; if even that is too large (a
+        limit of a few hundred bytes), nothing is sent and the caller times out."""
+        if call.link.closed:
+            return
+        try:
+            self._send_error(call, exc)
+        except LocalProtocolError as too_large:
+            try:
+                self._send_error(call, too_large)
+            except LocalProtocolError:
+                log.warning("no reply of %s fits %r: %s", call.function, call.link, too_large)
+
+    def _send_error(self, call: IncomingCall, exc: BaseException) -> None:
+        payload, buffers = pack_error(exc, self.worker, call.function)
+        call.link.send(Kind.ERROR, {"i": call.call_id}, payload, buffers, function=call.function)
 
     def _retire(self, call: IncomingCall) -> bool:
         """Forget a finished call; False if nobody awaits its reply any more (its link is

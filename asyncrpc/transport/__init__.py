@@ -1,12 +1,14 @@
 """Connections: authenticated, framed links over tcp and unix sockets; same-host shared memory."""
 
+from asyncrpc.transport.admission import Admission
 from asyncrpc.transport.endpoints import SCHEMES, dial, listen
-from asyncrpc.transport.link import Link, LinkHandler
+from asyncrpc.transport.link import Link, LinkHandler, too_large
 from asyncrpc.transport.shm import SHM_THRESHOLD, SegmentMapper, SegmentPool, host_identity
 
 __all__ = (
     "SCHEMES",
     "SHM_THRESHOLD",
+    "Admission",
     "Link",
     "LinkHandler",
     "SegmentMapper",
@@ -14,4 +16,5 @@ __all__ = (
     "dial",
     "host_identity",
     "listen",
+    "too_large",
 )

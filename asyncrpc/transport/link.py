@@ -6,8 +6,18 @@ A Link is an ``asyncio.BufferedProtocol``: the event loop asks it for memory
 (``get_buffer``) and the decoder answers with staging space or with the very
 storage a large tensor will live in, so received bytes are copied once, by the
 kernel.  Complete frames first drive the handshake; only once it is
-established do frames reach the :class:`LinkHandler` (the agent), and a
-non-handshake frame before then drops the connection unread.
+established do frames reach the :class:`LinkHandler` (the agent).
+
+Limits before trust: until the handshake is established the decoder holds
+``HANDSHAKE_LIMITS`` (handshake kinds only, a few KB per frame, a 4 KiB
+staging area), so an unauthenticated peer can neither make us allocate a
+large body nor send a call: either drops the connection as soon as the frame's
+header is parsed.  Established, the decoder takes this worker's
+``max_frame_size`` and grows its staging area.  Both ends announced their
+``max_frame_size`` in the handshake: ``max_send_size`` is the smaller one, and
+a message above it fails, before anything is written, with
+``LocalProtocolError`` naming the peer, the function and both limits, so only
+that message fails and the link stays up.
 
 Sending: ``encode`` turns a message into byte parts (any thread may call it;
 large buffers to a same-host peer go into shared-memory segments there), and
@@ -26,13 +36,19 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, cast
 
-from asyncrpc.errors import HandshakeError, PeerLostError, ProtocolError, RemoteProtocolError
+from asyncrpc.errors import (
+    HandshakeError,
+    LocalProtocolError,
+    PeerLostError,
+    ProtocolError,
+    RemoteProtocolError,
+)
 from asyncrpc.transport.shm import SHM_THRESHOLD, SegmentMapper, SegmentPool
 from asyncrpc.wire import (
-    HANDSHAKE_KINDS,
+    HANDSHAKE_LIMITS,
     NEED_DATA,
     Allocator,
     ExternalRef,
@@ -41,6 +57,7 @@ from asyncrpc.wire import (
     Handshake,
     Identity,
     Kind,
+    Limits,
     encode_frame,
 )
 
@@ -53,6 +70,19 @@ turn, is part of a burst and waits for the end of the turn; one that comes later
 at once: holding it could cost far more than the ~10 µs system call it saves (a
 training loop computes for 100 µs or more between two messages of one turn)."""
 Parts = list[bytes | memoryview]
+
+
+def too_large(
+    what: str, nbytes: int, limits: Mapping[str, int], **details: Any
+) -> LocalProtocolError:
+    """The error for a message above some worker's ``max_frame_size`` (``limits``: by
+    worker name, the receiver first)."""
+    accepts = ", ".join(f"worker {name!r} accepts {limit}" for name, limit in limits.items())
+    return LocalProtocolError(
+        f"{what} carries {nbytes} bytes, more than max_frame_size allows ({accepts} bytes)",
+        nbytes=nbytes,
+        **details,
+    )
 
 
 class LinkHandler(Protocol):
@@ -73,17 +103,17 @@ class Link(asyncio.BufferedProtocol):
         handshake: Handshake,
         *,
         allocate: Allocator,
-        max_frame_size: int,
         segments: SegmentPool | None = None,
         handshake_timeout: float = 10.0,
     ) -> None:
         self.handler = handler
         self.handshake = handshake
-        self.max_frame_size = max_frame_size
+        self.max_frame_size = handshake.max_frame_size  # the largest body we accept
+        self.max_send_size = self.max_frame_size  # and the peer's, once it is known
         self.ready: asyncio.Future[Link] = asyncio.get_running_loop().create_future()
         self.closed = False
         self._loop = asyncio.get_running_loop()
-        self._decoder = FrameDecoder(max_frame_size=max_frame_size, allocate=allocate)
+        self._decoder = FrameDecoder(HANDSHAKE_LIMITS, allocate=allocate)
         self._segments = segments
         self._share_memory = False
         self._mapper = SegmentMapper(0)  # the peer's pid is known after the handshake
@@ -102,6 +132,13 @@ class Link(asyncio.BufferedProtocol):
     def peer(self) -> Identity:
         assert self.handshake.peer is not None, "peer is known once the handshake is done"
         return self.handshake.peer
+
+    @property
+    def max_frame_sizes(self) -> dict[str, int]:
+        """``max_frame_size`` by worker name: the peer's (once known), then ours."""
+        peer, theirs = self.handshake.peer, self.handshake.peer_max_frame_size
+        ours = {self.handshake.local.name: self.max_frame_size}
+        return ours if peer is None or theirs is None else {peer.name: theirs, **ours}
 
     def __repr__(self) -> str:
         peer = self.handshake.peer.name if self.handshake.peer else "?"
@@ -194,14 +231,21 @@ class Link(asyncio.BufferedProtocol):
         meta: dict[str, Any],
         payload: bytes | memoryview = b"",
         buffers: Sequence[memoryview] = (),
+        *,
+        function: str = "?",
     ) -> Parts:
-        """Byte parts for one message; safe to call from any thread."""
+        """Byte parts for one message; safe to call from any thread.  A message above
+        ``max_send_size`` raises ``LocalProtocolError`` (naming ``function``, the call
+        it belongs to) before anything is written or shared."""
+        size = (len(payload) + sum(b.nbytes for b in buffers)) if buffers else len(payload)
+        if size > self.max_send_size:
+            raise self._too_large(kind, size, function)
         pool = self._segments if self._share_memory else None
         refs: list[memoryview | ExternalRef] = [
             pool.put(b, self) if pool is not None and b.nbytes >= SHM_THRESHOLD else b
             for b in buffers
         ]
-        return encode_frame(kind, meta, payload, refs, max_frame_size=self.max_frame_size)
+        return encode_frame(kind, meta, payload, refs, max_frame_size=self.max_send_size)
 
     def send(
         self,
@@ -209,9 +253,22 @@ class Link(asyncio.BufferedProtocol):
         meta: dict[str, Any],
         payload: bytes | memoryview = b"",
         buffers: Sequence[memoryview] = (),
+        *,
+        function: str = "?",
     ) -> None:
         """Encode and queue one message (loop thread only)."""
-        self.write(self.encode(kind, meta, payload, buffers))
+        self.write(self.encode(kind, meta, payload, buffers, function=function))
+
+    def _too_large(self, kind: int, nbytes: int, function: str) -> LocalProtocolError:
+        local = self.handshake.local.name
+        peer = self.handshake.peer.name if self.handshake.peer else "?"
+        if kind == Kind.REQUEST:
+            what = f"call to {function} on worker {peer!r}"
+        elif kind in (Kind.RESPONSE, Kind.ERROR):
+            what = f"reply of {function} from worker {local!r} to worker {peer!r}"
+        else:
+            what = f"{Kind(kind).name} message to worker {peer!r}"
+        return too_large(what, nbytes, self.max_frame_sizes, worker=peer, function=function)
 
     def write(self, parts: Parts) -> None:
         """Send encoded parts.  A message leaves at once unless the one before it on this
@@ -279,10 +336,8 @@ class Link(asyncio.BufferedProtocol):
     # -- receiving -----------------------------------------------------------------
 
     def _dispatch(self, frame: Frame) -> None:
-        if frame.kind in HANDSHAKE_KINDS:
+        if not self.handshake.established:  # the decoder lets through nothing else until then
             self._on_handshake_frame(frame)
-        elif not self.handshake.established:
-            raise RemoteProtocolError(f"message kind {frame.kind} before the handshake finished")
         elif frame.kind == Kind.RELEASE:
             if self._segments is not None:
                 self._segments.release(list(frame.meta.get("k", ())), self)
@@ -294,12 +349,20 @@ class Link(asyncio.BufferedProtocol):
         for kind, meta in self.handshake.receive(frame.kind, frame.meta):
             self.send(kind, meta)
         if self.handshake.established:
-            self._handshake_timer.cancel()
-            self._share_memory = self.peer.host == self.handshake.local.host
-            self._mapper = SegmentMapper(self.peer.pid)
-            self.handler.link_established(self)
-            if not self.ready.done():
-                self.ready.set_result(self)
+            self._established()
+
+    def _established(self) -> None:
+        """The peer is authenticated: raise the limits, then tell the owner."""
+        self._handshake_timer.cancel()
+        theirs = self.handshake.peer_max_frame_size
+        assert theirs is not None, "announced in the handshake"
+        self.max_send_size = min(self.max_frame_size, theirs)
+        self._decoder.limits = Limits.established(self.max_frame_size)
+        self._share_memory = self.peer.host == self.handshake.local.host
+        self._mapper = SegmentMapper(self.peer.pid)
+        self.handler.link_established(self)
+        if not self.ready.done():
+            self.ready.set_result(self)
 
     def _resolve_external(self, frame: Frame) -> None:
         for i, buf in enumerate(frame.buffers):

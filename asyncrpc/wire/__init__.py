@@ -2,11 +2,14 @@
 
 from asyncrpc.wire.codec import (
     DEFAULT_MAX_FRAME_SIZE,
+    HANDSHAKE_LIMITS,
+    MAX_HANDSHAKE_FRAME,
     NEED_DATA,
     Allocator,
     ExternalRef,
     Frame,
     FrameDecoder,
+    Limits,
     encode_frame,
 )
 from asyncrpc.wire.handshake import Handshake, Identity, Role
@@ -15,6 +18,8 @@ from asyncrpc.wire.messages import HANDSHAKE_KINDS, PROTOCOL_VERSION, Kind
 __all__ = (
     "DEFAULT_MAX_FRAME_SIZE",
     "HANDSHAKE_KINDS",
+    "HANDSHAKE_LIMITS",
+    "MAX_HANDSHAKE_FRAME",
     "NEED_DATA",
     "PROTOCOL_VERSION",
     "Allocator",
@@ -24,6 +29,7 @@ __all__ = (
     "Handshake",
     "Identity",
     "Kind",
+    "Limits",
     "Role",
     "encode_frame",
 )

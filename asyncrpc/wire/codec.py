@@ -21,8 +21,21 @@ payloads, and, for a large buffer, the destination object itself (made by the
 injected ``allocate`` callable, e.g. fresh tensor storage).  ``receive_data()``
 feeds scripted chunks through that same path, for tests.  ``next_event()`` then
 returns one complete :class:`Frame` or ``NEED_DATA``.  Any violation (bad magic,
-malformed header, a length above the configured maximum, an unknown kind) raises
+malformed header, a length above the limits, an unknown or unwelcome kind) raises
 ``RemoteProtocolError`` and poisons the decoder: the connection must be dropped.
+
+Limits before trust.  What a decoder accepts is its :class:`Limits`: the kinds,
+the header length and the body length (payload plus every buffer, external ones
+included).  The prelude is checked before the header is staged, the header
+before any body byte is allocated, so nothing is ever allocated above the
+current limits.  A connection starts under ``HANDSHAKE_LIMITS``: handshake
+kinds only, no body, the whole frame at most ``MAX_HANDSHAKE_FRAME`` bytes, in a
+staging area of that size.  Once the peer is authenticated, its owner assigns
+:meth:`Limits.established` (``max_frame_size``, every other kind); new limits
+apply from the next frame whose header is not parsed yet, and the staging area
+grows to ``STAGING_SIZE`` then.  The fast path reads the limits from plain
+attributes where it read constants before: it costs established links nothing.
+A poisoned decoder hands out no frame, not even one parsed before the error.
 
 No asyncio, no sockets, nothing but bytes: every split point is testable.
 """
@@ -39,13 +52,17 @@ from typing import Any, Final
 import msgpack
 
 from asyncrpc.errors import LocalProtocolError, RemoteProtocolError
-from asyncrpc.wire.messages import KNOWN_KINDS
+from asyncrpc.wire.messages import ESTABLISHED_KINDS, HANDSHAKE_KINDS, KNOWN_KINDS, Kind
 
 MAGIC: Final = 0xA5C1
 PRELUDE: Final = struct.Struct("<HHI")
 MAX_HEADER_SIZE: Final = 64 * 1024
 DEFAULT_MAX_FRAME_SIZE: Final = 8 * 1024**3
 STAGING_SIZE: Final = 256 * 1024
+SMALL_STAGING: Final = 4 * 1024
+MAX_HANDSHAKE_FRAME: Final = SMALL_STAGING
+"""Bytes in a whole frame (prelude and header; it has no body) before the handshake
+completes: it fits in the small staging area."""
 SMALL_PAYLOAD: Final = 64 * 1024
 
 
@@ -74,6 +91,46 @@ class Frame:
     meta: dict[str, Any]
     payload: bytes | bytearray = b""
     buffers: list[Any] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What a decoder accepts: which kinds, how long a header, how large a body (the
+    payload plus every buffer, external ones included).  ``stage`` ends error messages
+    ("before the handshake completes")."""
+
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    max_header_size: int = MAX_HEADER_SIZE
+    kinds: frozenset[int] = KNOWN_KINDS
+    stage: str = ""
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.max_header_size <= MAX_HEADER_SIZE and self.max_frame_size >= 0):
+            raise ValueError(f"invalid frame limits {self!r}")
+        if not self.kinds <= KNOWN_KINDS:
+            raise ValueError(f"unknown kinds in {sorted(self.kinds - KNOWN_KINDS)}")
+
+    @staticmethod
+    def established(max_frame_size: int) -> Limits:
+        """An authenticated connection's: bodies up to ``max_frame_size``, no handshake."""
+        return Limits(max_frame_size, kinds=ESTABLISHED_KINDS, stage="after the handshake")
+
+    @property
+    def staging_size(self) -> int:
+        """``SMALL_STAGING`` when a whole frame fits in it, else ``STAGING_SIZE``, which
+        holds any header and any small payload (and many small frames per read)."""
+        whole = PRELUDE.size + self.max_header_size + self.max_frame_size
+        return SMALL_STAGING if whole <= SMALL_STAGING else STAGING_SIZE
+
+
+HANDSHAKE_LIMITS: Final = Limits(
+    max_frame_size=0,
+    max_header_size=MAX_HANDSHAKE_FRAME - PRELUDE.size,
+    kinds=HANDSHAKE_KINDS,
+    stage="before the handshake completes",
+)
+"""An unauthenticated connection's: handshake frames only, msgpack headers of a few KB."""
+DEFAULT_LIMITS: Final = Limits()
 
 
 Allocator = Callable[[int], tuple[Any, memoryview]]
@@ -146,14 +203,10 @@ class FrameDecoder:
     """Incremental frame decoder; see the module docstring."""
 
     def __init__(
-        self,
-        *,
-        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
-        allocate: Allocator = allocate_bytearray,
+        self, limits: Limits = DEFAULT_LIMITS, *, allocate: Allocator = allocate_bytearray
     ) -> None:
-        self.max_frame_size = max_frame_size
         self._allocate = allocate
-        self._staging = bytearray(STAGING_SIZE)
+        self._staging = bytearray(limits.staging_size)
         self._view = memoryview(self._staging)
         self._start = 0  # first unparsed staged byte
         self._end = 0  # one past the last staged byte
@@ -162,6 +215,28 @@ class FrameDecoder:
         self._direct_filled = 0
         self._ready: deque[Frame] = deque()
         self._error: RemoteProtocolError | None = None
+        self.limits = limits
+
+    @property
+    def limits(self) -> Limits:
+        """What is accepted.  Assigning applies to every frame whose header is not
+        parsed yet, and grows the staging area if the new limits want a larger one."""
+        return self._limits
+
+    @limits.setter
+    def limits(self, limits: Limits) -> None:
+        self._limits = limits
+        # Read on the fast path: plain attributes, one lookup each.
+        self._kinds = limits.kinds
+        self._max_header = limits.max_header_size
+        self._small_body = min(SMALL_PAYLOAD, limits.max_frame_size)
+        if limits.staging_size > len(self._staging):
+            self._grow(limits.staging_size)
+
+    @property
+    def staging_size(self) -> int:
+        """Bytes of staging memory this decoder holds."""
+        return len(self._staging)
 
     # -- the BufferedProtocol face -------------------------------------------------
 
@@ -197,7 +272,7 @@ class FrameDecoder:
 
     def next_event(self) -> Frame | _NeedData:
         """Return the next complete frame, or ``NEED_DATA``."""
-        if self._ready:
+        if self._ready and self._error is None:  # poisoned: frames parsed before it too
             return self._ready.popleft()
         return self._guarded(self._advance)
 
@@ -240,7 +315,7 @@ class FrameDecoder:
             return None
         magic, flags, header_len = PRELUDE.unpack_from(self._staging, start)
         header_end = start + PRELUDE.size + header_len
-        if magic != MAGIC or flags or header_len > MAX_HEADER_SIZE or header_end > end:
+        if magic != MAGIC or flags or header_len > self._max_header or header_end > end:
             return None
         try:
             header = msgpack.unpackb(self._view[start + PRELUDE.size : header_end])
@@ -253,13 +328,13 @@ class FrameDecoder:
             type(size) is not int
             or type(meta) is not dict
             or type(kind) is not int
-            or kind not in KNOWN_KINDS
+            or kind not in self._kinds
             or type(descriptors) is not list
             or not all(type(d) is int and d >= 0 for d in descriptors)
         ):
             return None
         body_end = header_end + size + sum(descriptors)
-        if not 0 <= size <= body_end - header_end <= min(SMALL_PAYLOAD, self.max_frame_size):
+        if not 0 <= size <= body_end - header_end <= self._small_body:
             return None
         if body_end > end:
             return None
@@ -286,9 +361,9 @@ class FrameDecoder:
         magic, flags, header_len = PRELUDE.unpack_from(self._staging, self._start)
         if magic != MAGIC or flags != 0:
             raise RemoteProtocolError(f"bad frame prelude (magic {magic:#06x}, flags {flags})")
-        if header_len > MAX_HEADER_SIZE:
+        if header_len > self._max_header:
             raise RemoteProtocolError(
-                f"frame header of {header_len} bytes exceeds {MAX_HEADER_SIZE}"
+                f"frame header of {header_len} bytes exceeds {self._max_header}{self._stage()}"
             )
         if self._staged() < PRELUDE.size + header_len:
             return False
@@ -307,15 +382,17 @@ class FrameDecoder:
         kind, meta, payload_len, descriptors = header
         if type(kind) is not int or kind not in KNOWN_KINDS:
             raise RemoteProtocolError(f"unknown message kind {kind!r}")
+        if kind not in self._kinds:
+            raise RemoteProtocolError(f"{Kind(kind).name} frame not allowed{self._stage()}")
         if type(meta) is not dict or type(descriptors) is not list:
             raise RemoteProtocolError("malformed frame header fields")
         sizes = [payload_len, *[self._descriptor_size(d) for d in descriptors]]
         if not all(type(s) is int and s >= 0 for s in sizes):
             raise RemoteProtocolError(f"invalid lengths in frame header: {sizes!r}")
-        if sum(sizes) > self.max_frame_size:
+        if sum(sizes) > self._limits.max_frame_size:
             raise RemoteProtocolError(
                 f"frame of {sum(sizes)} bytes exceeds the maximum frame size "
-                f"of {self.max_frame_size} bytes"
+                f"of {self._limits.max_frame_size} bytes{self._stage()}"
             )
         buffers: list[Any] = [None] * len(descriptors)
         pending: list[tuple[int, int]] = []
@@ -371,6 +448,16 @@ class FrameDecoder:
             return True
         self._direct, self._direct_filled = view, n
         return False
+
+    def _stage(self) -> str:
+        return f" {self._limits.stage}" if self._limits.stage else ""
+
+    def _grow(self, size: int) -> None:
+        staged = self._staged()
+        grown = bytearray(size)
+        grown[:staged] = self._view[self._start : self._end]
+        self._staging, self._view = grown, memoryview(grown)
+        self._start, self._end = 0, staged
 
     def _compact(self) -> None:
         staged = self._staged()

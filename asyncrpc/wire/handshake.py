@@ -5,18 +5,22 @@ Theory of operation
 Both ends hold the job's secret.  Neither ever sends it; each proves it knows it
 by an HMAC over both fresh nonces, both identities and its own role::
 
-    dialer                                   listener
-      HELLO {v, identity, nonce_d}      ->
-                                        <-   CHALLENGE {v, identity, nonce_l, proof_l}
-      AUTH {proof_d}                    ->
-                                        <-   WELCOME {}
+    dialer                                      listener
+      HELLO {v, identity, nonce_d, max_d}  ->
+                                           <-   CHALLENGE {v, identity, nonce_l, max_l, proof_l}
+      AUTH {proof_d}                       ->
+                                           <-   WELCOME {}
 
 A proof binds the role, so a listener's proof cannot be reflected back as a
 dialer's.  Until the handshake is ESTABLISHED only handshake frames are legal,
 and they carry msgpack metadata only: nothing from an unauthenticated peer is
-ever unpickled.  The machine is events in (``receive(kind, meta)``), messages
-out (a list of ``(kind, meta)`` to send); it owns no socket.  Every
-transition lives in ``_TRANSITIONS``.
+ever unpickled.  Each end also announces its ``max_frame_size`` (the largest
+body it accepts), so that once established a sender can refuse a message the
+peer would refuse, and fail only that message (see ``transport.link``).  The
+machine is events in (``receive(kind, meta)``), messages out (a list of
+``(kind, meta)`` to send); it owns no socket.  Every transition lives in
+``_TRANSITIONS``; a message that fits none, or a malformed field, raises
+``HandshakeError`` and fails the machine for good.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from enum import Enum, auto
 from typing import Any
 
 from asyncrpc.errors import HandshakeError
+from asyncrpc.wire.codec import DEFAULT_MAX_FRAME_SIZE
 from asyncrpc.wire.messages import PROTOCOL_VERSION, Kind
 
 Outgoing = list[tuple[Kind, dict[str, Any]]]
@@ -69,11 +74,20 @@ def _proof(secret: bytes, role: Role, nonces: tuple[bytes, bytes], names: tuple[
 class Handshake:
     """One end of one connection's handshake."""
 
-    def __init__(self, role: Role, secret: bytes, local: Identity) -> None:
+    def __init__(
+        self,
+        role: Role,
+        secret: bytes,
+        local: Identity,
+        *,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    ) -> None:
         self.role = role
         self.state = State.START
         self.local = local
+        self.max_frame_size = max_frame_size  # the largest frame body we accept
         self.peer: Identity | None = None
+        self.peer_max_frame_size: int | None = None  # the peer's, once it introduced itself
         self._secret = secret
         self._nonce = secrets.token_bytes(32)
         self._peer_nonce = b""
@@ -131,7 +145,12 @@ class Handshake:
     # -- helpers -------------------------------------------------------------------
 
     def _introduction(self) -> dict[str, Any]:
-        return {"v": PROTOCOL_VERSION, **asdict(self.local), "nonce": self._nonce}
+        return {
+            "v": PROTOCOL_VERSION,
+            **asdict(self.local),
+            "nonce": self._nonce,
+            "max_frame_size": self.max_frame_size,
+        }
 
     def _accept_peer(self, meta: dict[str, Any]) -> None:
         if meta["v"] != PROTOCOL_VERSION:
@@ -144,8 +163,12 @@ class Handshake:
         name, rank, pid, host = meta["name"], meta["rank"], meta["pid"], meta["host"]
         if not (type(name) is str and type(rank) is int and type(pid) is int and type(host) is str):
             raise HandshakeError("malformed peer identity in handshake")
+        limit = meta["max_frame_size"]
+        if type(limit) is not int or limit < 0:
+            raise HandshakeError(f"malformed max_frame_size {limit!r} in handshake")
         self._peer_nonce = nonce
         self.peer = Identity(name, rank, pid, host)
+        self.peer_max_frame_size = limit
 
     def _names(self) -> tuple[str, str]:
         assert self.peer is not None

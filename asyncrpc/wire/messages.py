@@ -1,9 +1,10 @@
 """Message kinds and the fields each carries in its header ``meta`` map.
 
-Handshake (meta only, never a pickle)::
+Handshake (meta only: no payload, no buffers, never a pickle; the whole frame at most
+``codec.MAX_HANDSHAKE_FRAME`` bytes; ``max_frame_size`` is the most the sender accepts)::
 
-    HELLO      dialer -> listener  {v, name, rank, pid, host, nonce}
-    CHALLENGE  listener -> dialer  {v, name, rank, pid, host, nonce, proof}
+    HELLO      dialer -> listener  {v, name, rank, pid, host, nonce, max_frame_size}
+    CHALLENGE  listener -> dialer  {v, name, rank, pid, host, nonce, max_frame_size, proof}
     AUTH       dialer -> listener  {proof}
     WELCOME    listener -> dialer  {}
 
@@ -45,3 +46,4 @@ class Kind(IntEnum):
 
 KNOWN_KINDS: Final = frozenset(int(k) for k in Kind)
 HANDSHAKE_KINDS: Final = frozenset({Kind.HELLO, Kind.CHALLENGE, Kind.AUTH, Kind.WELCOME})
+ESTABLISHED_KINDS: Final = KNOWN_KINDS - HANDSHAKE_KINDS

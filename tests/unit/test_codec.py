@@ -17,19 +17,23 @@ from hypothesis import strategies as st
 
 from asyncrpc.errors import LocalProtocolError, RemoteProtocolError
 from asyncrpc.wire.codec import (
+    HANDSHAKE_LIMITS,
     MAGIC,
+    MAX_HANDSHAKE_FRAME,
     MAX_HEADER_SIZE,
     NEED_DATA,
     PRELUDE,
     SMALL_PAYLOAD,
+    SMALL_STAGING,
     STAGING_SIZE,
     ExternalRef,
     Frame,
     FrameDecoder,
+    Limits,
     allocate_bytearray,
     encode_frame,
 )
-from asyncrpc.wire.messages import KNOWN_KINDS, Kind
+from asyncrpc.wire.messages import ESTABLISHED_KINDS, HANDSHAKE_KINDS, KNOWN_KINDS, Kind
 
 # -- helpers ---------------------------------------------------------------------------
 
@@ -453,7 +457,7 @@ def test_prelude_errors_need_only_the_prelude() -> None:
 )
 def test_oversized_frame_rejected_before_allocation(payload: int, descs: list[Any]) -> None:
     allocator = RecordingAllocator()
-    decoder = FrameDecoder(max_frame_size=1000, allocate=allocator)
+    decoder = FrameDecoder(Limits(max_frame_size=1000), allocate=allocator)
     with pytest.raises(RemoteProtocolError, match="exceeds the maximum frame size of 1000"):
         decoder.receive_data(raw_frame([int(Kind.RESPONSE), {"i": 1}, payload, descs]))
     assert allocator.calls == []
@@ -464,7 +468,7 @@ def test_oversized_frame_rejected_before_allocation(payload: int, descs: list[An
 def test_frame_of_exactly_max_frame_size_is_accepted() -> None:
     spec = Spec(Kind.RESPONSE, {"i": 1}, pattern(400, 50), [pattern(600, 51)])
     data = spec.encode(max_frame_size=1000)
-    (frame,) = feed_chunks(data, [], max_frame_size=1000)
+    (frame,) = feed_chunks(data, [], limits=Limits(max_frame_size=1000))
     spec.check(frame)
 
 
@@ -481,6 +485,129 @@ def test_unhashable_kind_is_a_protocol_error(kind: Any) -> None:
         decoder.receive_data(raw_frame([kind, {}, 0, []]))
     with pytest.raises(RemoteProtocolError):
         decoder.next_event()
+
+
+# -- limits before trust ---------------------------------------------------------------
+
+HELLO = Spec(Kind.HELLO, {"v": 1, "name": "w0", "nonce": b"\x00" * 32, "max_frame_size": 1 << 33})
+
+
+def _handshake_decoder() -> tuple[FrameDecoder, RecordingAllocator]:
+    allocator = RecordingAllocator()
+    return FrameDecoder(HANDSHAKE_LIMITS, allocate=allocator), allocator
+
+
+def test_an_unauthenticated_decoder_holds_a_small_staging_area() -> None:
+    decoder, _ = _handshake_decoder()
+    assert decoder.staging_size == SMALL_STAGING == MAX_HANDSHAKE_FRAME
+    assert FrameDecoder().staging_size == STAGING_SIZE
+    assert HANDSHAKE_LIMITS.kinds == HANDSHAKE_KINDS
+
+
+def test_handshake_frames_pass_the_handshake_limits() -> None:
+    decoder, _ = _handshake_decoder()
+    data = HELLO.encode()
+    for i in range(len(data)):
+        decoder.receive_data(data[i : i + 1])
+    (frame,) = drain(decoder)
+    HELLO.check(frame)
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        pytest.param(
+            [int(Kind.HELLO), {}, int(7.9 * 2**30), []],
+            "8482560409 bytes exceeds the maximum frame size of 0 bytes before the handshake",
+            id="7.9 GiB HELLO",
+        ),
+        pytest.param([int(Kind.AUTH), {}, 1, []], "of 0 bytes before", id="one-byte payload"),
+        pytest.param([int(Kind.HELLO), {}, 0, [1]], "of 0 bytes before", id="one-byte buffer"),
+        pytest.param([int(Kind.HELLO), {}, 0, [[1, 2**40]]], "of 0 bytes", id="external buffer"),
+        pytest.param(
+            [int(Kind.REQUEST), {"i": 1, "f": "os.system"}, 5, []],
+            "REQUEST frame not allowed before the handshake completes",
+            id="request",
+        ),
+        pytest.param(
+            [int(Kind.RESPONSE), {}, 2**40, [2**40]], "RESPONSE frame not allowed", id="response"
+        ),
+    ],
+)
+def test_the_header_alone_rejects_what_an_unauthenticated_peer_may_not_send(
+    header: list[Any], message: str
+) -> None:
+    """Rejected as soon as the header is parsed: no body byte is sent, none allocated."""
+    decoder, allocator = _handshake_decoder()
+    with pytest.raises(RemoteProtocolError, match=message):
+        decoder.receive_data(raw_frame(header))
+    assert allocator.calls == []
+    assert decoder.staging_size == SMALL_STAGING
+    with pytest.raises(RemoteProtocolError):
+        decoder.next_event()
+
+
+def test_the_prelude_alone_rejects_a_long_header_before_the_handshake() -> None:
+    decoder, _ = _handshake_decoder()
+    limit = MAX_HANDSHAKE_FRAME - PRELUDE.size
+    with pytest.raises(RemoteProtocolError, match=f"{limit + 1} bytes exceeds {limit} before"):
+        decoder.receive_data(PRELUDE.pack(MAGIC, 0, limit + 1))
+
+
+def test_a_whole_frame_of_exactly_max_handshake_frame_bytes_is_accepted() -> None:
+    def hello(padding: int) -> bytes:
+        return raw_frame([int(Kind.HELLO), {"name": "x" * padding}, 0, []])
+
+    padding = MAX_HANDSHAKE_FRAME - len(hello(0))
+    while len(hello(padding)) > MAX_HANDSHAKE_FRAME:  # msgpack's str header grows with it
+        padding -= 1
+    data = hello(padding)
+    assert len(data) == MAX_HANDSHAKE_FRAME
+    (frame,) = feed_chunks(data, [100, 4000], limits=HANDSHAKE_LIMITS)
+    assert frame.meta == {"name": "x" * padding}
+    with pytest.raises(RemoteProtocolError, match="before the handshake"):
+        feed_chunks(hello(padding + 1), [], limits=HANDSHAKE_LIMITS)
+
+
+def test_established_limits_admit_no_more_handshake_frames() -> None:
+    limits = Limits.established(1000)
+    assert limits.kinds == ESTABLISHED_KINDS == KNOWN_KINDS - HANDSHAKE_KINDS
+    with pytest.raises(RemoteProtocolError, match="HELLO frame not allowed after the handshake"):
+        feed_chunks(HELLO.encode(), [], limits=limits)
+
+
+def test_raised_limits_apply_to_the_next_frame_and_grow_the_staging_area() -> None:
+    """HELLO and the start of a large request arrive in one read; once the handshake is
+    done the request's header is parsed under the new limits, its staged bytes kept."""
+    decoder, allocator = _handshake_decoder()
+    request = Spec(Kind.REQUEST, {"i": 1, "f": "f"}, pattern(SMALL_PAYLOAD + 9, 60), [b"x" * 70])
+    data = HELLO.encode() + request.encode()
+    target = decoder.get_buffer()
+    n = len(target)
+    target[:] = data[:n]
+    decoder.buffer_updated(n)
+    HELLO.check(decoder.next_event())
+    decoder.limits = Limits.established(1 << 20)
+    assert decoder.staging_size == STAGING_SIZE
+    frames = feed_buffered(decoder, data[n:], random.Random(3), 5000)
+    frames += drain(decoder)
+    assert len(frames) == 1
+    request.check(frames[0])
+    assert allocator.calls == [70]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_frame_size": -1},
+        {"max_header_size": MAX_HEADER_SIZE + 1},
+        {"max_header_size": -1},
+        {"kinds": frozenset({99})},
+    ],
+)
+def test_invalid_limits_are_refused(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=r"invalid frame limits|unknown kinds"):
+        Limits(**kwargs)
 
 
 # -- encoding limits -------------------------------------------------------------------
@@ -512,7 +639,7 @@ def test_encoder_rejects_what_the_decoder_rejects_for_external_refs() -> None:
         )
     except LocalProtocolError:
         return  # the sender refuses it: consistent
-    feed_chunks(data, [], max_frame_size=1000)  # raises RemoteProtocolError
+    feed_chunks(data, [], limits=Limits(max_frame_size=1000))  # raises RemoteProtocolError
 
 
 # -- property test ---------------------------------------------------------------------

@@ -76,6 +76,15 @@ def test_dialer_and_listener_complete() -> None:
     assert listener.peer == DIALER_ID
 
 
+def test_each_end_learns_the_others_max_frame_size() -> None:
+    dialer = Handshake(Role.DIALER, SECRET, DIALER_ID, max_frame_size=1000)
+    listener = Handshake(Role.LISTENER, SECRET, LISTENER_ID, max_frame_size=2**40)
+    assert dialer.peer_max_frame_size is None and listener.peer_max_frame_size is None
+    run_to_completion(dialer, listener)
+    assert dialer.peer_max_frame_size == 2**40
+    assert listener.peer_max_frame_size == 1000
+
+
 def test_state_after_each_step() -> None:
     dialer, listener = pair()
     assert dialer.state is State.START and listener.state is State.START
@@ -318,6 +327,12 @@ HELLO_CORRUPTIONS: dict[str, Any] = {
     "rank nil": lambda m: dict(m, rank=None),
     "pid list": lambda m: dict(m, pid=[1]),
     "rank nan": lambda m: dict(m, rank=float("nan")),
+    "missing max_frame_size": lambda m: {k: v for k, v in m.items() if k != "max_frame_size"},
+    "negative max_frame_size": lambda m: dict(m, max_frame_size=-1),
+    "str max_frame_size": lambda m: dict(m, max_frame_size="8G"),
+    "float max_frame_size": lambda m: dict(m, max_frame_size=1e9),
+    "bool max_frame_size": lambda m: dict(m, max_frame_size=True),
+    "nil max_frame_size": lambda m: dict(m, max_frame_size=None),
 }
 
 
@@ -339,7 +354,7 @@ def test_hello_that_is_not_a_map_raises_handshake_error(meta: Any) -> None:
     assert listener.state is State.FAILED
 
 
-@pytest.mark.parametrize("drop", ["proof", "nonce", "v", "name"])
+@pytest.mark.parametrize("drop", ["proof", "nonce", "v", "name", "max_frame_size"])
 def test_malformed_challenge_raises_handshake_error(drop: str) -> None:
     dialer, listener = pair()
     challenge = single(listener.receive(*single(dialer.start())))
