@@ -375,14 +375,15 @@ async def _load_until_leaver_gone(cfg: Config, peer: str, leaver: str) -> dict[s
     }
 
 
-# -- d: a busy caller while its server shuts down -------------------------------------
+# -- d: busy workers while a server shuts down ----------------------------------------
 
-BLOCK_S = 5.0  # how long the caller blocks its loop: past the handshake timeout (2 s)
+BLOCK_S = 5.0  # how long a worker blocks its loop: past the handshake timeout (2 s)
 
 
-async def busy_caller_during_shutdown(cfg: Config) -> dict[str, Any]:
-    """w0 has tensor calls in flight to w1, asks w1 to shut down and blocks its own loop
-    for BLOCK_S seconds; w1's shutdown must wait for w0, and every call succeed."""
+async def busy_workers_during_shutdown(cfg: Config) -> dict[str, Any]:
+    """w1 shuts down while w0 (tensor calls in flight to w1, so a link with it) and w2
+    (no link with w1: w1 must dial it) have blocked their loops for BLOCK_S seconds.
+    w1 must wait for both; every call of w0's, and w2's calls afterwards, succeed."""
     await cfg.join(rpc_timeout=60, handshake_timeout=2.0)
     if cfg.rank == 1:
         async with asyncio.timeout(40):
@@ -390,24 +391,61 @@ async def busy_caller_during_shutdown(cfg: Config) -> dict[str, Any]:
         started = time.monotonic()
         await asyncrpc.shutdown()
         return {"shutdown_s": time.monotonic() - started}
+    if cfg.rank == 2:
+        return await _call_once_unblocked()
     calls = Tally("w1")
     for i in range(20):  # half answered while w0 is blocked, half after
         x = mixed(i)
         calls.track(asyncrpc.rpc_async("w1", hold, args=(x, 1.0 if i % 2 else 7.0)), float(x[0]))
     await asyncrpc.rpc_async("w1", whoami)  # w1 has every call above
+    await asyncrpc.rpc_async("w2", block_loop_soon, args=(BLOCK_S,))  # w2 blocks now
     calls.track(asyncrpc.rpc_async("w1", request_shutdown), "w1")
     await asyncio.sleep(0)  # one loop turn: the request above is written out
     blocked = time.monotonic()
     time.sleep(BLOCK_S)  # blocks this worker's event loop, on purpose
     blocked_s = time.monotonic() - blocked
     await calls.settle(40)
-    for i in range(10):  # w1 still serves: it waits for our shutdown
-        x = mixed(i)
-        calls.track(asyncrpc.rpc_async("w1", echo, args=(x,)), float(x[0]))
+    _calls_after(calls)
     await calls.settle(40)
     seen = {"blocked_s": blocked_s, "calls": calls.report()}
     await asyncrpc.shutdown(timeout=30)
     return seen
+
+
+async def block_loop_soon(seconds: float) -> str:
+    """Answer, then block this worker's event loop for ``seconds`` (the callback runs
+    in a later loop turn than this call's reply, which leaves as the call returns)."""
+    asyncio.get_running_loop().call_soon(_block, seconds)
+    return asyncrpc.get_worker_info().name
+
+
+def _block(seconds: float) -> None:
+    started = time.monotonic()
+    time.sleep(seconds)  # blocks this worker's event loop, on purpose
+    _blocked.append(time.monotonic() - started)
+    _event("unblocked").set()
+
+
+_blocked: list[float] = []
+
+
+async def _call_once_unblocked() -> dict[str, Any]:
+    """w2: once its loop was blocked (while w1 started to shut down), call w1."""
+    async with asyncio.timeout(40):
+        await _event("unblocked").wait()
+    calls = Tally("w1")
+    _calls_after(calls)
+    await calls.settle(40)
+    seen = {"blocked_s": _blocked[0], "calls": calls.report()}
+    await asyncrpc.shutdown(timeout=30)
+    return seen
+
+
+def _calls_after(calls: Tally) -> None:
+    """Ten tensor calls to w1, which still serves: it waits for our shutdown."""
+    for i in range(10):
+        x = mixed(i)
+        calls.track(asyncrpc.rpc_async("w1", echo, args=(x,)), float(x[0]))
 
 
 # -- e: remote code raising KeyboardInterrupt or SystemExit ---------------------------

@@ -86,16 +86,19 @@ def test_worker_leaving_under_load_loses_no_call_of_the_others() -> None:
         assert seen["shutdown_s"] < 20
 
 
-def test_busy_caller_keeps_its_calls_while_the_server_shuts_down() -> None:
-    """The caller's loop is blocked (5 s) past the handshake timeout (2 s) while its
-    server shuts down: the server must wait for it, not give it up for dead."""
-    caller, server = run_job("fault_scenarios.busy_caller_during_shutdown", timeout=90)
-    seen = caller.result
-    assert seen["blocked_s"] > 4.9
-    calls = seen["calls"]
-    assert_every_call_ended(calls)
-    assert calls["failed"] == {}, calls
-    assert calls["completed"] == 31
+def test_busy_workers_keep_their_calls_while_a_server_shuts_down() -> None:
+    """Loops blocked (5 s) past the handshake timeout (2 s) while w1 shuts down: w0 with
+    calls in flight to w1, w2 with no link to it yet.  w1 must wait for both, not give
+    them up for dead: every call of w0's succeeds, and w2's calls afterwards too."""
+    caller, server, bystander = run_job(
+        "fault_scenarios.busy_workers_during_shutdown", world=3, timeout=90
+    )
+    for worker, calls in ((caller, 31), (bystander, 10)):
+        seen = worker.result
+        assert seen["blocked_s"] > 4.9
+        assert_every_call_ended(seen["calls"])
+        assert seen["calls"]["failed"] == {}, (worker.rank, seen["calls"])
+        assert seen["calls"]["completed"] == calls
     assert server.result["shutdown_s"] > 0
 
 
