@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: install test demo bench lint typecheck clean
+.PHONY: install test demo bench soak lint typecheck clean
 
 install: $(STAMP)
 
@@ -26,6 +26,12 @@ demo: install
 
 bench: install
 	$(PY) benchmarks/bench_rpc.py
+
+# Three workers under mixed traffic; fails on a lost call, an unexpected error or a crash.
+# SOAK_ARGS="--duration 600 --json soak.json" for the long run.
+SOAK_ARGS ?=
+soak: install
+	$(PY) benchmarks/soak.py $(SOAK_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check asyncrpc tests examples benchmarks
