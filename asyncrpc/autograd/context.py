@@ -43,8 +43,14 @@ from asyncrpc.agent import RpcAgent, current_transfer, on_notice, propagate
 from asyncrpc.errors import AgentStateError
 from asyncrpc.serde import reduce_tensor, register_reducer
 
-ContextId = int
+ContextId = int  # the opener's rank << _SERIAL_BITS | a serial there
 SendId = tuple[int, int]  # (sender rank, serial there)
+_SERIAL_BITS = 40
+
+
+def opener_of(context_id: ContextId) -> int:
+    """The rank of the worker that opened a context."""
+    return context_id >> _SERIAL_BITS
 
 log = logging.getLogger("asyncrpc.autograd")
 
@@ -89,7 +95,7 @@ class AutogradContexts:
         self._lock = threading.Lock()
 
     def new_context(self) -> AutogradContext:
-        context_id = (self.rank << 40) | next(self._serials)
+        context_id = (self.rank << _SERIAL_BITS) | next(self._serials)
         return self.get_or_create(context_id)
 
     def get_or_create(self, context_id: ContextId) -> AutogradContext:
@@ -139,7 +145,12 @@ class AutogradContexts:
     # -- agent extension -----------------------------------------------------------
 
     def peer_lost(self, rank: int) -> None:
-        pass  # a backward pass reaching a lost worker fails through its RPC
+        """Contexts a lost worker opened will never be released by it: free them here
+        (a backward pass reaching a lost worker fails through its RPC)."""
+        with self._lock:
+            orphans = [c for c in self.live if opener_of(c) == rank]
+            for context_id in orphans:
+                del self.live[context_id]
 
     async def drain(self) -> None:
         pass  # releases are notices: the agent sends them before its shutdown notices

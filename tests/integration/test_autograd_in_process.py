@@ -349,3 +349,28 @@ async def test_rref_backward_runs_on_the_owner(trio: Agents) -> None:
 
 def scalar_loss(h: torch.Tensor) -> torch.Tensor:
     return (h @ W_B).pow(2).sum()
+
+
+async def test_contexts_a_lost_worker_opened_are_freed_on_the_survivors(trio: Agents) -> None:
+    a, b, _ = trio
+    x = weights(2, 4, seed=3)
+    async with autograd.context() as ctx:  # a opens it; b holds its part
+        await a.rpc_async("b", stage_b, (x,))
+        assert ctx in contexts_of(b).live
+        async with _opened_by(b) as theirs:  # and one b opened itself survives
+            await b.rpc_async(
+                "c", stage_c, (torch.ones(2, 3, dtype=torch.float64, requires_grad=True),)
+            )
+            await a.shutdown(graceful=False)  # a dies without releasing anything
+            await asyncio.wait_for(_until(lambda: ctx not in contexts_of(b).live), 10)
+            assert theirs in contexts_of(b).live
+
+
+def _opened_by(agent: RpcAgent) -> Any:
+    set_default_agent(agent)
+    return autograd.context()
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
