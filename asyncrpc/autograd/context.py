@@ -52,6 +52,7 @@ def opener_of(context_id: ContextId) -> int:
     """The rank of the worker that opened a context."""
     return context_id >> _SERIAL_BITS
 
+
 log = logging.getLogger("asyncrpc.autograd")
 
 current_context_id: contextvars.ContextVar[ContextId | None] = contextvars.ContextVar(
