@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import itertools
 import logging
 import mmap
@@ -66,12 +67,12 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from asyncrpc.errors import RemoteProtocolError
-from asyncrpc.transport.housekeeping import housekeeper
+from asyncrpc.transport.housekeeping import Copiers, housekeeper
 from asyncrpc.wire import ExternalRef
 
 log = logging.getLogger("asyncrpc.transport")
@@ -221,22 +222,15 @@ class SegmentPool:
         self._fallbacks = 0
         self._fallback_bytes = 0
         self._serials = itertools.count(1)
-        self._copier: ThreadPoolExecutor | None = None
+        self._copiers = Copiers(COPIER_THREADS, "asyncrpc-shm-copy")
         self._copying = 0
 
     def fill_later(self, fills: list[tuple[Segment, memoryview]]) -> Future[None]:
-        """Fill segments on a copier thread (started on first use); while any copy is
-        in flight, ``copying`` says so (an event loop need not spin meanwhile)."""
+        """Fill segments on a copier thread; while any copy is in flight, ``copying``
+        says so (an event loop need not spin meanwhile)."""
         with self._lock:
-            if self._copier is None:
-                self._copier = ThreadPoolExecutor(COPIER_THREADS, "asyncrpc-shm-copy")
-            copier = self._copier
             self._copying += 1
-        try:
-            job = copier.submit(fill_all, fills)
-        except BaseException:  # shut down
-            self._copy_done()
-            raise
+        job = self._copiers.submit(functools.partial(fill_all, fills))
         job.add_done_callback(lambda _: self._copy_done())
         return job
 
@@ -335,11 +329,9 @@ class SegmentPool:
             segments = self._idle + [s for s, _ in self._in_use.values()]
             self._idle, self._in_use = [], {}
             self._bytes_in_use = self._bytes_idle = 0
-            copier, self._copier = self._copier, None
         _close_all(segments)  # peers are told nothing: their links go down now
         housekeeper.drop(segments)
-        if copier is not None:
-            copier.shutdown(wait=False)
+        self._copiers.shutdown()
 
     @property
     def stats(self) -> dict[str, int]:
