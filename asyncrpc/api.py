@@ -29,6 +29,7 @@ from asyncrpc.rendezvous import (
     scoped,
 )
 from asyncrpc.rref import context_for
+from asyncrpc.transport import DEFAULT_BUDGET, DEFAULT_MAX_IDLE
 from asyncrpc.wire import DEFAULT_MAX_FRAME_SIZE
 
 Target = str | int | WorkerInfo
@@ -46,6 +47,8 @@ async def init_rpc(
     num_worker_threads: int = 16,
     transports: tuple[str, ...] = ("unix", "tcp"),
     shared_memory: bool = True,
+    shared_memory_budget: int = DEFAULT_BUDGET,
+    shared_memory_idle: int = DEFAULT_MAX_IDLE,
     listen_host: str | None = None,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
     busy_poll: float | None = None,
@@ -59,10 +62,13 @@ async def init_rpc(
     ``rpc_timeout`` is the default per-call timeout in seconds (0: none).
     ``transports`` lists what to listen on and prefer, in order ("unix" is used
     only between processes of one host).  ``shared_memory`` enables the
-    same-host path for large tensors.  ``busy_poll`` (seconds, 0 to disable) keeps
-    the event loop polling that long after activity instead of sleeping, which
-    saves a wake-up per message on VMs at the cost of CPU while calls are in
-    flight; by default 300 µs while this host's workers have a CPU each, else 0.
+    same-host path for large tensors; ``shared_memory_budget`` bounds the bytes of
+    segments this worker holds (lent plus idle; beyond it, buffers go through the
+    socket) and ``shared_memory_idle`` the idle ones kept for reuse.  ``busy_poll``
+    (seconds, 0 to disable) keeps the event loop polling that long after activity
+    instead of sleeping, which saves a wake-up per message on VMs at the cost of
+    CPU while calls are in flight; by default 300 µs while this host's workers have
+    a CPU each, else 0.
     ``handshake_timeout`` bounds a new connection's authentication: a peer whose
     event loop is blocked longer cannot be reached meanwhile (keep loops free of
     long blocking work rather than raising it).  Returns once every worker has joined.
@@ -87,6 +93,8 @@ async def init_rpc(
         num_worker_threads=num_worker_threads,
         transports=transports,
         shared_memory=shared_memory,
+        shared_memory_budget=shared_memory_budget,
+        shared_memory_idle=shared_memory_idle,
         listen_host=listen_host,
         max_frame_size=max_frame_size,
         busy_poll=busy_poll,

@@ -8,6 +8,8 @@ observations; the tests make the assertions.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import os
 import signal
 import socket
@@ -357,6 +359,66 @@ async def graceful_shutdown(cfg: Config) -> dict[str, Any]:
     seen["shutdown_seconds"] = time.monotonic() - started
     seen["state"] = "closed"
     return seen
+
+
+def blake(x: torch.Tensor) -> str:
+    """A digest of a tensor's bytes (a remote function: the data arrived intact?)."""
+    return hashlib.blake2b(memoryview(x.numpy()).cast("B")).hexdigest()
+
+
+class LoopWatch:
+    """Samples, every 10 ms, how late the event loop wakes and what shared memory the
+    worker holds (lent plus idle), until stopped."""
+
+    def __init__(self) -> None:
+        self.max_lag = 0.0
+        self.max_held = 0
+        self._stop = asyncio.Event()
+        self._task = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._stop.is_set():
+            started = loop.time()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), 0.01)
+            if not self._stop.is_set():
+                self.max_lag = max(self.max_lag, loop.time() - started - 0.01)
+            shm = asyncrpc.get_debug_info()["shared_memory"]
+            self.max_held = max(self.max_held, shm["bytes_in_use"] + shm["bytes_idle"])
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await self._task
+
+
+async def shm_budget(cfg: Config) -> dict[str, Any]:
+    """Rank 0 sends 40 concurrent 8 MiB tensors to rank 1 with a 64 MiB shared-memory
+    budget, watching its own loop and shared memory; rank 1 answers with digests."""
+    budget = 64 << 20
+    await cfg.join(rpc_timeout=60, shared_memory_budget=budget)
+    seen: dict[str, Any] = {"budget": budget}
+    if cfg.rank == 0:
+        tensors = [
+            torch.randint(0, 2**31 - 1, (2 << 20,), dtype=torch.int32, generator=_seeded(i))
+            for i in range(40)
+        ]
+        watch = LoopWatch()
+        started = time.monotonic()
+        calls = [asyncrpc.rpc_async("w1", blake, args=(t,)) for t in tensors]
+        seen["issue_seconds"] = time.monotonic() - started
+        answers = await asyncio.gather(*calls)
+        await watch.stop()
+        seen["correct"] = answers == [blake(t) for t in tensors]
+        seen["max_loop_lag"] = watch.max_lag
+        seen["max_held_bytes"] = watch.max_held
+        seen["shm"] = asyncrpc.get_debug_info()["shared_memory"]
+    await asyncrpc.shutdown()
+    return seen
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
 
 
 async def rendezvous(cfg: Config) -> dict[str, Any]:

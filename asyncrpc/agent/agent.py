@@ -9,9 +9,14 @@ two workers that call each other hold two links, and no tie-break is needed.
 
 Outgoing: ``rpc_async`` serialises at once (a bad argument raises right there),
 records a :class:`PendingCall` with a deadline timer, and writes the request
-(or queues it behind the dial).  The call ends exactly once: by its reply, by
-its deadline (``RPCTimeoutError``, and a CANCEL to the callee), or by the loss
-of its link (``PeerLostError`` at once, naming the peer).
+(or queues it behind the dial).  Tensor bytes are never copied on the loop: a
+large buffer for a same-host peer is copied into shared memory by the Link's
+copier threads, in order with the link's other messages, within this worker's
+shared-memory budget (``shared_memory_budget``; beyond it the bytes go through
+the socket).  The debug info reports the pool and the peers' segments we map.
+The call ends exactly once: by its reply, by its deadline (``RPCTimeoutError``,
+and a CANCEL to the callee), or by the loss of its link (``PeerLostError`` at
+once, naming the peer).
 
 Incoming: see :mod:`asyncrpc.agent.dispatch` for where a function runs.  Under
 a backlog of running calls a link stops reading until the backlog halves.  At
@@ -66,6 +71,8 @@ from asyncrpc.errors import (
 )
 from asyncrpc.serde import allocate_tensor_storage
 from asyncrpc.transport import (
+    DEFAULT_BUDGET,
+    DEFAULT_MAX_IDLE,
     Admission,
     Link,
     SegmentPool,
@@ -110,6 +117,8 @@ class AgentOptions:
     transports: tuple[str, ...] = ("unix", "tcp")
     listen_host: str = "127.0.0.1"
     shared_memory: bool = True
+    shared_memory_budget: int = DEFAULT_BUDGET
+    shared_memory_idle: int = DEFAULT_MAX_IDLE
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     connect_timeout: float = 30.0
     handshake_timeout: float = 10.0
@@ -121,6 +130,10 @@ class AgentOptions:
         """A call's timeout in seconds, as torch reads it: None or negative (torch's
         ``UNSET_RPC_TIMEOUT``, -1) means ``rpc_timeout``; 0 means none."""
         return self.rpc_timeout if timeout is None or timeout < 0 else timeout
+
+    def __post_init__(self) -> None:
+        if self.shared_memory_budget < 0 or self.shared_memory_idle < 0:
+            raise ValueError("shared_memory_budget and shared_memory_idle must be >= 0")
 
 
 @dataclass(slots=True)
@@ -160,7 +173,11 @@ class RpcAgent:
             self, self._context, options.num_worker_threads, options.max_running_per_link
         )
         self._extensions: dict[str, Extension] = {}
-        self._segments = SegmentPool() if options.shared_memory else None
+        self._segments = (
+            SegmentPool(options.shared_memory_budget, options.shared_memory_idle)
+            if options.shared_memory
+            else None
+        )
         self._workers: dict[str, WorkerAddress] = {}
         self._by_rank: dict[int, WorkerAddress] = {}
         self._servers: list[asyncio.AbstractServer] = []
@@ -459,7 +476,7 @@ class RpcAgent:
                 request.buffers,
                 function=request.meta["f"],
             )
-        except Exception as exc:  # e.g. no shared memory left: the call fails, visibly
+        except Exception as exc:  # e.g. too large a request: the call fails, visibly
             undo(request.undo)
             self._finish(request.call_id, error=exc)
 
@@ -581,6 +598,7 @@ class RpcAgent:
             handshake,
             allocate=allocate_tensor_storage,
             segments=self._segments,
+            max_mapped_bytes=self.options.shared_memory_budget,
             handshake_timeout=self.options.handshake_timeout,
         )
 
@@ -662,11 +680,18 @@ class RpcAgent:
             "pending_handshakes": self._admission.pending,
             "refused_connections": self._admission.refused,
             "dead_peers": sorted(self._dead),
-            "shared_memory": self._segments.stats if self._segments else None,
+            "shared_memory": self._shared_memory_info(),
         }
         for extension in self._extensions.values():
             info.update(extension.debug_info())
         return info
+
+    def _shared_memory_info(self) -> dict[str, int] | None:
+        """Our segment pool's figures, and how much of peers' segments we keep mapped."""
+        if self._segments is None:
+            return None
+        links = [*self._links.values(), *self._inbound.links]
+        return {**self._segments.stats, "mapped_bytes": sum(link.mapped_bytes for link in links)}
 
     def run_blocking(self, start: Callable[[], Awaitable[T]], limit: float, what: str) -> T:
         """From another thread: run ``start()`` on the loop and wait for it (the
@@ -713,8 +738,11 @@ class RpcAgent:
         return self._inbound.offload(kind, func, *args)
 
     def _worth_polling(self) -> bool:
-        """Spin while calls are in flight, unless slow pool jobs need the GIL."""
-        return self.state != "closed" and self._inbound.slow_threads_busy == 0
+        """Spin while calls are in flight, unless slow pool jobs or copies into shared
+        memory need the CPU (a spinning loop starved them, and they it: 20 x 64 MiB
+        calls saw the loop wake up to 130 ms late)."""
+        copying = self._segments.copying if self._segments is not None else 0
+        return self.state != "closed" and self._inbound.slow_threads_busy == 0 and not copying
 
     def _check_usable(self) -> None:
         if self.state not in ("running", "draining"):

@@ -6,13 +6,15 @@ Each request becomes an :class:`IncomingCall` (its link, call id and function
 name) and runs where :func:`~asyncrpc.agent.dispatch.describe` places it:
 
 * THREAD -- the worker's pool.  The function *and* the serialisation of its
-  result run in the pool thread; the encoded reply joins a completion queue,
-  and one ``call_soon_threadsafe`` wakes the loop for however many replies
-  are queued by then.  How long each function's last call took is kept: while
-  only calls that proved quick (under ``SPIN_BELOW``) are in the pool, the
-  agent's loop keeps busy-polling for their replies; a slow one would have to
-  share the GIL with a spinning loop, so while one runs the loop sleeps.
-* LOOP -- an ``async def``: a task on the loop.
+  result (with the copy of large buffers into shared memory, within the
+  worker's budget) run in the pool thread; the encoded reply joins a
+  completion queue, and one ``call_soon_threadsafe`` wakes the loop for however
+  many replies are queued by then.  How long each function's last call took is
+  kept: while only calls that proved quick (under ``SPIN_BELOW``) are in the
+  pool, the agent's loop keeps busy-polling for their replies; a slow one would
+  have to share the GIL with a spinning loop, so while one runs the loop sleeps.
+* LOOP -- an ``async def``: a task on the loop.  Its reply is serialised on the
+  loop; ``Link.send`` has large buffers copied into shared memory off the loop.
 * AWAITABLE -- ``@async_execution``: called on the loop; the reply leaves when
   the returned awaitable completes (in the same turn if it already has).  Every
   coroutine (an ``async def`` call, or one returned by an ``async_execution``
@@ -125,6 +127,10 @@ class Inbound:
     def link_from(self, name: str) -> Link | None:
         """An open link worker ``name`` dialed to us, if any."""
         return next((link for link in self._links if link.peer.name == name), None)
+
+    @property
+    def links(self) -> list[Link]:
+        return list(self._links)
 
     @property
     def peers(self) -> set[str]:

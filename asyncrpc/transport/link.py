@@ -20,10 +20,27 @@ a message above it fails, before anything is written, with
 that message fails and the link stays up.
 
 Sending: ``encode`` turns a message into byte parts (any thread may call it;
-large buffers to a same-host peer go into shared-memory segments there), and
-``write`` queues parts on the loop.  Parts queued in one loop iteration leave
-in one ``writelines`` call.  When the transport's buffer passes its high-water
-mark (``pause_writing``), parts wait in our queue until ``resume_writing``.
+large buffers to a same-host peer are copied into shared-memory segments right
+there), and ``write`` queues parts on the loop.  ``send`` does both on the
+loop, but copies little there: a message with a buffer of ``SHM_THRESHOLD`` or
+more for a same-host peer is encoded at once (its segments lent, so their keys
+are known, and any encoding error raised to the caller), and its segments are
+filled by the segment pool's copier threads, unless the copy is small
+(``INLINE_COPY_MAX``) and its segments warm.  Until they are filled, that
+message and every later one on this link wait in ``_queue``, and leave in
+order: a link is FIFO whatever its messages carry (``close`` waits for the
+queue too; a copy always finishes).  A message without such buffers, on a link
+with nothing queued, is written at once, with no thread hop.  A buffer the
+pool's budget has no room for goes through the socket, inline, as a buffer
+under the threshold would.
+
+Parts written in one loop iteration leave in one ``writelines`` call.  When
+the transport's buffer passes its high-water mark (``pause_writing``), parts
+wait in our outbox until ``resume_writing``.
+
+Segment bookkeeping travels both ways: RELEASE tells the peer we no longer map
+its segments (our tensors on them died), UNMAP tells it that we closed
+segments it may still have mapped, so that its cache lets go of them.
 
 Any protocol violation or transport error closes the Link; ``link_lost`` is
 then called exactly once, with the cause, so the owner can fail every call
@@ -33,10 +50,14 @@ that was waiting on this peer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import socket
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 from asyncrpc.errors import (
@@ -46,7 +67,14 @@ from asyncrpc.errors import (
     ProtocolError,
     RemoteProtocolError,
 )
-from asyncrpc.transport.shm import SHM_THRESHOLD, SegmentMapper, SegmentPool
+from asyncrpc.transport.shm import (
+    DEFAULT_BUDGET,
+    SHM_THRESHOLD,
+    Segment,
+    SegmentMapper,
+    SegmentPool,
+    fill_all,
+)
 from asyncrpc.wire import (
     HANDSHAKE_LIMITS,
     NEED_DATA,
@@ -69,7 +97,20 @@ COALESCE_WITHIN = 50e-6
 turn, is part of a burst and waits for the end of the turn; one that comes later leaves
 at once: holding it could cost far more than the ~10 µs system call it saves (a
 training loop computes for 100 µs or more between two messages of one turn)."""
+INLINE_COPY_MAX = 4 << 20
+"""Bytes.  A copy this small into a warm segment (pages faulted in by an earlier
+copy) takes 0.1-0.7 ms on our 2-core VM: it runs on the loop, which costs other
+work no more than a trip to a copier thread and back would cost this message."""
 Parts = list[bytes | memoryview]
+Fills = list[tuple[Segment, memoryview]]
+
+
+@dataclass(slots=True)
+class _Queued:
+    """A message waiting for its turn: ``ready`` once its segments are filled."""
+
+    parts: Parts
+    ready: bool
 
 
 def too_large(
@@ -104,6 +145,7 @@ class Link(asyncio.BufferedProtocol):
         *,
         allocate: Allocator,
         segments: SegmentPool | None = None,
+        max_mapped_bytes: int = DEFAULT_BUDGET,
         handshake_timeout: float = 10.0,
     ) -> None:
         self.handler = handler
@@ -116,8 +158,11 @@ class Link(asyncio.BufferedProtocol):
         self._decoder = FrameDecoder(HANDSHAKE_LIMITS, allocate=allocate)
         self._segments = segments
         self._share_memory = False
+        self._max_mapped_bytes = max_mapped_bytes
         self._mapper = SegmentMapper(0)  # the peer's pid is known after the handshake
         self._transport: asyncio.Transport | None = None
+        self._queue: deque[_Queued] = deque()  # behind a message whose segments are filling
+        self._close_when_sent = False
         self._outbox: Parts = []
         self._flush_scheduled = False
         self._last_message = 0.0  # perf_counter() of the last message written
@@ -125,8 +170,13 @@ class Link(asyncio.BufferedProtocol):
         self._reading_paused = False  # the owner's backpressure
         self._catching_up = False  # staged frames still wait for their turn
         self._reading = True  # what the transport was last told
-        self._released: list[int] = []
+        self._segment_keys: dict[Kind, list[int]] = {}  # RELEASE and UNMAP, batched
         self._handshake_timer = self._loop.call_later(handshake_timeout, self._handshake_expired)
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes of the peer's segments this link keeps mapped for reuse."""
+        return self._mapper.cached_bytes
 
     @property
     def peer(self) -> Identity:
@@ -234,18 +284,27 @@ class Link(asyncio.BufferedProtocol):
         *,
         function: str = "?",
     ) -> Parts:
-        """Byte parts for one message; safe to call from any thread.  A message above
-        ``max_send_size`` raises ``LocalProtocolError`` (naming ``function``, the call
-        it belongs to) before anything is written or shared."""
-        size = (len(payload) + sum(b.nbytes for b in buffers)) if buffers else len(payload)
-        if size > self.max_send_size:
-            raise self._too_large(kind, size, function)
+        """Byte parts for one message, large buffers copied into segments here; safe
+        to call from any thread.  A message above ``max_send_size`` raises
+        ``LocalProtocolError`` (naming ``function``, the call it belongs to) before
+        anything is written or shared."""
+        self._check_size(kind, payload, buffers, function)
         pool = self._segments if self._share_memory else None
-        refs: list[memoryview | ExternalRef] = [
-            pool.put(b, self) if pool is not None and b.nbytes >= SHM_THRESHOLD else b
-            for b in buffers
-        ]
-        return encode_frame(kind, meta, payload, refs, max_frame_size=self.max_send_size)
+        if pool is None or not _has_large(buffers):
+            return encode_frame(kind, meta, payload, buffers, max_frame_size=self.max_send_size)
+        refs = [self._put(pool, b) for b in buffers]
+        if self.closed:  # lost meanwhile (on the loop): what we were lent is nobody's
+            pool.forget(self)
+        try:
+            return encode_frame(kind, meta, payload, refs, max_frame_size=self.max_send_size)
+        except BaseException:
+            pool.release([r.key for r in refs if isinstance(r, ExternalRef)], self)
+            raise
+
+    def _put(self, pool: SegmentPool, buffer: memoryview) -> memoryview | ExternalRef:
+        """A segment's reference for a large buffer, if the budget has room; else itself."""
+        ref = pool.put(buffer, self) if buffer.nbytes >= SHM_THRESHOLD else None
+        return buffer if ref is None else ref
 
     def send(
         self,
@@ -256,8 +315,23 @@ class Link(asyncio.BufferedProtocol):
         *,
         function: str = "?",
     ) -> None:
-        """Encode and queue one message (loop thread only)."""
-        self.write(self.encode(kind, meta, payload, buffers, function=function))
+        """Encode and queue one message (loop thread only); large same-host buffers are
+        copied by the segment pool's threads (here if small and warm), and the message,
+        with every later one, waits for them.  Too large a message raises, as ``encode``."""
+        self._check_size(kind, payload, buffers, function)
+        if buffers and self._share_memory and _has_large(buffers) and not self.closed:
+            self._send_through_segments(kind, meta, payload, buffers)
+        else:
+            self.write(
+                encode_frame(kind, meta, payload, buffers, max_frame_size=self.max_send_size)
+            )
+
+    def _check_size(
+        self, kind: int, payload: bytes | memoryview, buffers: Sequence[memoryview], function: str
+    ) -> None:
+        size = len(payload) + sum(b.nbytes for b in buffers)
+        if size > self.max_send_size:
+            raise self._too_large(kind, size, function)
 
     def _too_large(self, kind: int, nbytes: int, function: str) -> LocalProtocolError:
         local = self.handshake.local.name
@@ -270,11 +344,105 @@ class Link(asyncio.BufferedProtocol):
             what = f"{Kind(kind).name} message to worker {peer!r}"
         return too_large(what, nbytes, self.max_frame_sizes, worker=peer, function=function)
 
+    def _send_through_segments(
+        self,
+        kind: int,
+        meta: dict[str, Any],
+        payload: bytes | memoryview,
+        buffers: Sequence[memoryview],
+    ) -> None:
+        pool = self._segments
+        assert pool is not None
+        refs, fills = self._lend(pool, buffers)
+        try:
+            parts = encode_frame(kind, meta, payload, refs, max_frame_size=self.max_send_size)
+        except BaseException:
+            pool.release([segment.key for segment, _ in fills], self)
+            raise
+        retry = functools.partial(encode_frame, kind, meta, payload, buffers)
+        if not fills:  # over budget: the buffers go inline, through the socket
+            self.write(parts)
+        elif _cheap_to_copy(fills):
+            self.write(self._fill_here(fills, parts, retry))
+        else:
+            self._fill_in_copier(pool, fills, parts, retry)
+
+    def _fill_here(self, fills: Fills, parts: Parts, retry: functools.partial[Parts]) -> Parts:
+        """Copy on the loop (a warm copy of at most INLINE_COPY_MAX bytes)."""
+        try:
+            fill_all(fills)
+        except Exception as exc:
+            return self._copy_failed(fills, retry, exc)
+        return parts
+
+    def _fill_in_copier(
+        self, pool: SegmentPool, fills: Fills, parts: Parts, retry: functools.partial[Parts]
+    ) -> None:
+        """Have a copier thread fill the segments; the message waits in ``_queue``."""
+        try:
+            job = asyncio.wrap_future(pool.fill_later(fills), loop=self._loop)
+        except BaseException:  # the pool is closed
+            pool.discard([segment for segment, _ in fills])
+            raise
+        queued = _Queued(parts, ready=False)
+        self._queue.append(queued)
+        job.add_done_callback(functools.partial(self._filled, queued, fills, retry))
+
+    def _lend(
+        self, pool: SegmentPool, buffers: Sequence[memoryview]
+    ) -> tuple[list[memoryview | ExternalRef], Fills]:
+        """A segment for each large buffer the budget has room for (not filled yet)."""
+        refs: list[memoryview | ExternalRef] = []
+        fills: Fills = []
+        for buffer in buffers:
+            segment = pool.lend(buffer.nbytes, self) if buffer.nbytes >= SHM_THRESHOLD else None
+            if segment is None:
+                refs.append(buffer)
+            else:
+                refs.append(segment.ref(buffer.nbytes))
+                fills.append((segment, buffer))
+        return refs, fills
+
+    def _filled(
+        self,
+        queued: _Queued,
+        fills: Fills,
+        retry: functools.partial[Parts],
+        job: asyncio.Future[None],
+    ) -> None:
+        """A queued message's segments are filled: write what is ready, in order."""
+        if self.closed:
+            return  # its segments were closed with the link
+        error = job.exception() if not job.cancelled() else asyncio.CancelledError()
+        if error is not None:
+            queued.parts = self._copy_failed(fills, retry, error)
+        queued.ready = True
+        while self._queue and self._queue[0].ready:
+            self._write_now(self._queue.popleft().parts)
+        if self._close_when_sent and not self._queue:
+            self.close()
+
+    def _copy_failed(
+        self, fills: Fills, retry: functools.partial[Parts], error: BaseException
+    ) -> Parts:
+        """A bug, but the bytes can still go through the socket: the message, all inline."""
+        log.warning("%r: copy into shared memory failed (%r); using the socket", self, error)
+        if self._segments is not None:
+            self._segments.discard([segment for segment, _ in fills], fallback=True)
+        return retry(max_frame_size=self.max_send_size)
+
     def write(self, parts: Parts) -> None:
-        """Send encoded parts.  A message leaves at once unless the one before it on this
-        link came less than ``COALESCE_WITHIN`` earlier in this loop turn: a burst waits
-        for the end of the turn (or until FLUSH_PARTS are waiting) and leaves in one
-        system call; a message after a pause takes what waits along with it."""
+        """Send encoded parts, after any message still waiting for its segments."""
+        if self._queue and not self.closed:
+            self._queue.append(_Queued(parts, ready=True))
+        else:
+            self._write_now(parts)
+
+    def _write_now(self, parts: Parts) -> None:
+        """A message leaves at once unless the one before it on this link came less than
+        ``COALESCE_WITHIN`` earlier in this loop turn: a burst waits for the end of the
+        turn (or until FLUSH_PARTS are waiting) and leaves in one system call; a message
+        after a pause takes what waits along with it."""
         if self.closed:
             return
         self.handler.frames_sent(self)
@@ -308,18 +476,27 @@ class Link(asyncio.BufferedProtocol):
 
     def segment_released(self, key: int) -> None:
         """A mapping of the peer's segment died (any thread): tell the peer, batched."""
+        self._tell_peer(Kind.RELEASE, [key])
+
+    def segments_closed(self, keys: list[int]) -> None:
+        """Our pool closed segments lent on this link (any thread): the peer may unmap them."""
+        self._tell_peer(Kind.UNMAP, keys)
+
+    def _tell_peer(self, kind: Kind, keys: list[int]) -> None:
         if not self.closed:
-            self._loop.call_soon_threadsafe(self._queue_release, key)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
+                self._loop.call_soon_threadsafe(self._queue_keys, kind, keys)
 
-    def _queue_release(self, key: int) -> None:
-        if not self._released:
-            self._loop.call_soon(self._send_releases)
-        self._released.append(key)
+    def _queue_keys(self, kind: Kind, keys: list[int]) -> None:
+        if not self._segment_keys:
+            self._loop.call_soon(self._send_keys)
+        self._segment_keys.setdefault(kind, []).extend(keys)
 
-    def _send_releases(self) -> None:
-        keys, self._released = self._released, []
-        if keys and self.handshake.established:
-            self.send(Kind.RELEASE, {"k": keys})
+    def _send_keys(self) -> None:
+        batches, self._segment_keys = self._segment_keys, {}
+        if self.handshake.established:
+            for kind, keys in batches.items():
+                self.send(kind, {"k": keys})
 
     # -- flow control for readers --------------------------------------------------
 
@@ -340,7 +517,9 @@ class Link(asyncio.BufferedProtocol):
             self._on_handshake_frame(frame)
         elif frame.kind == Kind.RELEASE:
             if self._segments is not None:
-                self._segments.release(list(frame.meta.get("k", ())), self)
+                self._segments.release(_keys(frame), self)
+        elif frame.kind == Kind.UNMAP:
+            self._mapper.forget(_keys(frame))
         else:
             self._resolve_external(frame)
             self.handler.frame_received(self, frame)
@@ -359,7 +538,7 @@ class Link(asyncio.BufferedProtocol):
         self.max_send_size = min(self.max_frame_size, theirs)
         self._decoder.limits = Limits.established(self.max_frame_size)
         self._share_memory = self.peer.host == self.handshake.local.host
-        self._mapper = SegmentMapper(self.peer.pid)
+        self._mapper = SegmentMapper(self.peer.pid, self._max_mapped_bytes)
         self.handler.link_established(self)
         if not self.ready.done():
             self.ready.set_result(self)
@@ -374,7 +553,11 @@ class Link(asyncio.BufferedProtocol):
     # -- closing -------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close after queued bytes are written."""
+        """Close after queued bytes are written (messages waiting for their segments
+        too: filling a segment always finishes)."""
+        if self._queue:
+            self._close_when_sent = True
+            return
         self._flush()
         if self._transport is not None:
             self._transport.close()
@@ -395,6 +578,7 @@ class Link(asyncio.BufferedProtocol):
         self.closed = True
         self._handshake_timer.cancel()
         self._outbox = []
+        self._queue.clear()
         if self._segments is not None:
             self._segments.forget(self)
         self._mapper.clear()
@@ -410,3 +594,21 @@ class Link(asyncio.BufferedProtocol):
         peer = self.handshake.peer
         name = peer.name if peer else "an unidentified peer"
         return PeerLostError(f"worker {name!r}: {what}", worker=name)
+
+
+def _cheap_to_copy(fills: Fills) -> bool:
+    """At most INLINE_COPY_MAX bytes, into segments whose pages are faulted in already."""
+    total = sum(len(data) for _, data in fills)
+    return total <= INLINE_COPY_MAX and all(s.filled >= len(data) for s, data in fills)
+
+
+def _has_large(buffers: Sequence[memoryview]) -> bool:
+    return any(b.nbytes >= SHM_THRESHOLD for b in buffers)
+
+
+def _keys(frame: Frame) -> list[int]:
+    """The segment keys of a RELEASE or UNMAP frame."""
+    keys = frame.meta.get("k", [])
+    if not isinstance(keys, list) or not all(type(k) is int for k in keys):
+        raise RemoteProtocolError(f"malformed segment keys in a message of kind {frame.kind}")
+    return keys

@@ -7,40 +7,88 @@ receiver faults in fresh pages.  Between processes of one host we do better:
 
 * The sender copies the bytes once into a *segment* (a ``memfd`` it maps) and
   sends only ``ExternalRef(key, nbytes)`` in the frame.  A key is the segment's
-  serial number (never reused by that process) and its descriptor number.
+  serial number (never reused by that process, and part of the memfd's name)
+  and its descriptor number.
 * The receiver opens ``/proc/<sender pid>/fd/<fd>`` the first time it sees a
-  key (the kernel lets only the same user do so), maps the whole segment once,
-  and keeps that mapping in a :class:`SegmentMapper` cache.  Each transfer is
-  a *view* of the cached mapping that becomes the tensor's storage: no second
-  copy, and no system call at all for a segment seen before.
+  key (the kernel lets only the same user do so; the memfd's name must carry
+  the key's serial), maps the whole segment once, and keeps that mapping in a
+  :class:`SegmentMapper` cache.  Each transfer is a *view* of the cached mapping
+  that becomes the tensor's storage: no second copy, and no system call at all
+  for a segment seen before.
 * When the last tensor on a view dies, its lease tells the sender (a RELEASE
   message) that the segment is free; the sender reuses it.  Reused segments
   are faulted in on both sides, so a warm transfer costs one memcpy.
 
+Memory is bounded.  A :class:`SegmentPool` holds at most ``budget`` bytes of
+segments, lent (copied into and not yet released) plus idle.  A buffer that
+would take it past the budget gets no segment: ``lend`` returns None and the
+caller sends the bytes through the socket, whose flow control already bounds
+them (a fallback, counted in ``stats``).  Nothing ever waits for shared memory,
+so a receiver that keeps its tensors alive forever slows its sender down to
+socket speed and no further.  A new segment that does not fit closes idle ones
+first.  Idle segments beyond ``max_idle_bytes`` are closed, oldest first, once
+they have been idle for ``idle_grace`` (by the housekeeping thread if nothing
+else happens), except the one released last (a repeated transfer of any size
+keeps its warm segment); the grace keeps a working set that cycles through
+more than the cap (two 400 MB segments in an echo) from being closed and
+faulted in again at every turn.  Capacities are multiples of ``GRANULE`` (64
+KiB), and an idle segment is reused for a buffer it holds with at most 25% to
+spare.
+
+Lending and filling are separate steps: ``lend`` (cheap: a memfd and
+``ftruncate``) fixes the key, so a frame can be encoded at once, and
+``Segment.fill`` (the mmap of a new segment, its page faults and the memcpy,
+all without the GIL) can run on another thread (``fill_later``: the pool's
+copier threads); ``put`` does both.  Unmapping is slow too (the last unmap
+frees the pages), so mappings are let go on the housekeeping thread
+(:mod:`.housekeeping`).
+
 A segment is reused only after its receiver released it, so the receiver never
 sees its tensor change.  When a link is lost its in-use segments are closed on
 the sender's side and never reused: a still-living receiver keeps its mapping.
-Idle segments beyond ``max_idle_bytes`` are closed, largest first.
+Whenever the pool closes a segment, every owner it was lent to hears of it
+(``SegmentOwner.segments_closed``), so that its peer can drop the mapping from
+its cache (an UNMAP message): a receiver's cache never pins memory the sender
+has given up.  The cache is also bounded (least recently used first out; the
+agent sets the bound to its own budget).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
+import functools
 import itertools
+import logging
 import mmap
 import os
 import threading
+import time
+import weakref
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Final
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Final, Protocol
 
 from asyncrpc.errors import RemoteProtocolError
+from asyncrpc.transport.housekeeping import Copiers, housekeeper
 from asyncrpc.wire import ExternalRef
+
+log = logging.getLogger("asyncrpc.transport")
 
 SHM_THRESHOLD: Final = 1 << 20
 """Buffers of at least this many bytes take the shared-memory path (see benchmarks/)."""
-_ALIGN: Final = 2 << 20
+DEFAULT_BUDGET: Final = 1 << 30
+"""Bytes of segments one worker may hold, lent plus idle (see docs/architecture.md)."""
+DEFAULT_MAX_IDLE: Final = 256 << 20
+"""Bytes of idle segments kept for reuse (the one released last is always kept)."""
+IDLE_GRACE: Final = 1.0
+"""Seconds an idle segment beyond ``max_idle_bytes`` is kept before it is closed."""
+GRANULE: Final = 64 << 10
+"""Segment capacities are multiples of this."""
+COPIER_THREADS: Final = 2
+_MEMFD_NAME: Final = "asyncrpc-segment"
 
 
 def host_identity() -> str:
@@ -74,12 +122,12 @@ class _Mapping:
     ``mmap.mmap`` keeps a duplicate open for the mapping's whole life).  Unmapped
     when the last reference goes."""
 
-    def __init__(self, fd: int, nbytes: int) -> None:
-        flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
+    def __init__(self, fd: int, nbytes: int, *, populate: bool) -> None:
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
         address = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
         if address in (None, _MAP_FAILED):
-            errno = ctypes.get_errno()
-            raise OSError(errno, f"mmap of {nbytes} bytes failed: {os.strerror(errno)}")
+            code = ctypes.get_errno()
+            raise OSError(code, f"mmap of {nbytes} bytes failed: {os.strerror(code)}")
         self.address: int = address
         self.nbytes = nbytes
 
@@ -107,85 +155,293 @@ class _Lease:
         self._on_release()
 
 
-@dataclass(slots=True)
-class _Segment:
+class SegmentOwner(Protocol):
+    """What segments are lent to (a link): told when segments it was lent are closed."""
+
+    def segments_closed(self, keys: list[int]) -> None:
+        """The pool closed these segments for good (called from any thread)."""
+
+
+@dataclass(slots=True, eq=False)
+class Segment:
+    """One memfd and the sender's mapping of it, made by the first ``fill``: an mmap
+    waits for the process's other mmaps and munmaps (hundreds of ms when one unmaps
+    400 MiB), so it is no work for an event loop."""
+
     key: int
     fd: int
     capacity: int
-    mapping: _Mapping
+    mapping: _Mapping | None = None
+    lent_to: set[SegmentOwner] = field(default_factory=set)  # whose peers may map it
+    idle_since: float = 0.0  # time.monotonic() of its last release
+    filled: int = 0  # the most bytes copied in so far: those pages are faulted in
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # fd against mapping
+
+    def ref(self, nbytes: int) -> ExternalRef:
+        return ExternalRef(self.key, nbytes)
+
+    def fill(self, data: memoryview) -> None:
+        """Copy ``data`` in (any thread; the GIL is released for the copy and for the page
+        faults of a new segment, which cost as much as the copy or more)."""
+        with self._lock:  # a closed descriptor's number may name another file by now
+            if self.fd < 0:
+                raise OSError(errno.EBADF, "shared-memory segment closed")
+            if self.mapping is None:
+                self.mapping = _Mapping(self.fd, self.capacity, populate=False)
+            mapping = self.mapping
+        _copy_into(mapping, data)
+        self.filled = max(self.filled, len(data))
 
     def close(self) -> None:
-        os.close(self.fd)  # the mapping goes with the last reference to it
+        with self._lock:
+            fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)  # the mapping goes with the last reference to it
 
 
 class SegmentPool:
-    """The sender's side: segments to copy outgoing buffers into.  Thread-safe."""
+    """The sender's side: segments to copy outgoing buffers into, within a budget.
+    Thread-safe."""
 
-    def __init__(self, max_idle_bytes: int = 2 << 30) -> None:
+    def __init__(
+        self,
+        budget: int = DEFAULT_BUDGET,
+        max_idle_bytes: int = DEFAULT_MAX_IDLE,
+        idle_grace: float = IDLE_GRACE,
+    ) -> None:
+        self.budget = budget
         self.max_idle_bytes = max_idle_bytes
+        self.idle_grace = idle_grace
+        self._trim_due = False  # a housekeeping chore will trim
         self._lock = threading.Lock()
-        self._idle: list[_Segment] = []
-        self._in_use: dict[int, tuple[_Segment, object]] = {}
+        self._idle: list[Segment] = []  # least recently released first
+        self._in_use: dict[int, tuple[Segment, SegmentOwner]] = {}
+        self._bytes_in_use = 0
+        self._bytes_idle = 0
+        self._peak = 0
+        self._fallbacks = 0
+        self._fallback_bytes = 0
         self._serials = itertools.count(1)
+        self._copiers = Copiers(COPIER_THREADS, "asyncrpc-shm-copy")
+        self._copying = 0
 
-    def put(self, data: memoryview, owner: object) -> ExternalRef:
-        """Copy ``data`` into a segment lent to ``owner`` (a link); returns its reference."""
-        nbytes = len(data)
+    def fill_later(self, fills: list[tuple[Segment, memoryview]]) -> Future[None]:
+        """Fill segments on a copier thread; while any copy is in flight, ``copying``
+        says so (an event loop need not spin meanwhile)."""
+        with self._lock:
+            self._copying += 1
+        job = self._copiers.submit(functools.partial(fill_all, fills))
+        job.add_done_callback(lambda _: self._copy_done())
+        return job
+
+    @property
+    def copying(self) -> int:
+        """Copies in flight on the copier threads."""
+        return self._copying
+
+    def _copy_done(self) -> None:
+        with self._lock:
+            self._copying -= 1
+
+    def lend(self, nbytes: int, owner: SegmentOwner) -> Segment | None:
+        """A segment of at least ``nbytes`` lent to ``owner``, not yet filled: an idle
+        one, else a new one if the budget allows; None (a fallback) if not."""
+        closed: list[Segment] = []
         with self._lock:
             segment = self._take_idle(nbytes)
-        if segment is None:
-            segment = _create_segment(nbytes, next(self._serials))
-        _copy_into(segment.mapping, data)
+            capacity = 0 if segment is not None else self._reserve(nbytes, closed)
+        self._close(closed)
+        if capacity:
+            segment = self._create(capacity)
         with self._lock:
+            if segment is None:
+                self._fallbacks += 1
+                self._fallback_bytes += nbytes
+                return None
             self._in_use[segment.key] = (segment, owner)
-        return ExternalRef(segment.key, nbytes)
+            segment.lent_to.add(owner)
+            self._peak = max(self._peak, self._bytes_in_use + self._bytes_idle)
+        return segment
 
-    def release(self, keys: list[int], owner: object) -> None:
+    def put(self, data: memoryview, owner: SegmentOwner) -> ExternalRef | None:
+        """Copy ``data`` into a segment lent to ``owner`` and return its reference;
+        None if it should go through the socket instead (no room in the budget, no
+        segment to be had, or the copy failed)."""
+        segment = self.lend(len(data), owner)
+        if segment is None:
+            return None
+        try:
+            segment.fill(data)
+        except Exception as exc:  # a bug, but the bytes can still go through the socket
+            log.warning("copy into shared memory failed (%r); using the socket", exc)
+            self.discard([segment], fallback=True)
+            return None
+        return segment.ref(len(data))
+
+    def release(self, keys: Iterable[int], owner: SegmentOwner) -> None:
         """The receiver on ``owner`` is done with these segments: they may be reused."""
+        now = time.monotonic()
         with self._lock:
             for key in keys:
                 entry = self._in_use.get(key)
                 if entry is not None and entry[1] is owner:
                     del self._in_use[key]
+                    self._bytes_in_use -= entry[0].capacity
+                    entry[0].idle_since = now
                     self._idle.append(entry[0])
-            self._trim()
+                    self._bytes_idle += entry[0].capacity
+            closed, due = self._trim(now)
+        self._close(closed)
+        self._schedule_trim(due)
 
-    def forget(self, owner: object) -> None:
+    def trim(self) -> None:
+        """Close idle segments beyond ``max_idle_bytes`` whose grace period is over
+        (the housekeeping thread calls this when one ends)."""
+        with self._lock:
+            self._trim_due = False
+            closed, due = self._trim(time.monotonic())
+        self._close(closed)
+        self._schedule_trim(due)
+
+    def discard(self, segments: list[Segment], *, fallback: bool = False) -> None:
+        """Close lent segments that will never reach their receiver (a failed copy;
+        ``fallback``: their bytes go through the socket instead, count them)."""
+        with self._lock:
+            mine = [s for s in segments if self._in_use.pop(s.key, None) is not None]
+            self._bytes_in_use -= sum(s.capacity for s in mine)
+            if fallback:
+                self._fallbacks += len(segments)
+                self._fallback_bytes += sum(s.capacity for s in segments)
+        self._close(mine)  # the rest were closed by ``forget`` already
+
+    def forget(self, owner: SegmentOwner) -> None:
         """``owner`` is gone: close (never reuse) the segments lent to it."""
         with self._lock:
             lost = [key for key, (_, o) in self._in_use.items() if o is owner]
             segments = [self._in_use.pop(key)[0] for key in lost]
-        for segment in segments:
-            segment.close()
+            self._bytes_in_use -= sum(s.capacity for s in segments)
+            kept = (s for s, _ in self._in_use.values())
+            _forget_owner(owner, [*self._idle, *kept, *segments])
+        self._close(segments)
 
     def close(self) -> None:
         with self._lock:
             segments = self._idle + [s for s, _ in self._in_use.values()]
             self._idle, self._in_use = [], {}
-        for segment in segments:
-            segment.close()
+            self._bytes_in_use = self._bytes_idle = 0
+        _close_all(segments)  # peers are told nothing: their links go down now
+        housekeeper.drop(segments)
+        self._copiers.shutdown()
 
     @property
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {
+                "budget": self.budget,
+                "max_idle_bytes": self.max_idle_bytes,
+                "bytes_in_use": self._bytes_in_use,
+                "bytes_idle": self._bytes_idle,
+                "peak_bytes": self._peak,
                 "segments_in_use": len(self._in_use),
                 "segments_idle": len(self._idle),
-                "idle_bytes": sum(s.capacity for s in self._idle),
+                "fallbacks": self._fallbacks,
+                "fallback_bytes": self._fallback_bytes,
             }
 
-    def _take_idle(self, nbytes: int) -> _Segment | None:
-        fits = [s for s in self._idle if nbytes <= s.capacity <= 2 * max(nbytes, _ALIGN)]
+    # -- under the lock ------------------------------------------------------------
+
+    def _take_idle(self, nbytes: int) -> Segment | None:
+        """The smallest idle segment that holds ``nbytes`` with at most 25% to spare."""
+        fits = [s for s in self._idle if nbytes <= s.capacity <= nbytes + nbytes // 4]
         if not fits:
             return None
-        best = min(fits, key=lambda s: s.capacity)
+        best = min(reversed(fits), key=lambda s: s.capacity)  # ties: the warmest
         self._idle.remove(best)
+        self._bytes_idle -= best.capacity
+        self._bytes_in_use += best.capacity
         return best
 
-    def _trim(self) -> None:
-        self._idle.sort(key=lambda s: s.capacity)
-        while self._idle and sum(s.capacity for s in self._idle) > self.max_idle_bytes:
-            self._idle.pop().close()
+    def _reserve(self, nbytes: int, closed: list[Segment]) -> int:
+        """Budget for a new segment: its capacity, after closing idle segments to make
+        room (into ``closed``); 0 if lent segments alone leave no room."""
+        capacity = -(-nbytes // GRANULE) * GRANULE
+        if self._bytes_in_use + capacity > self.budget:
+            return 0
+        while self._bytes_in_use + self._bytes_idle + capacity > self.budget:
+            closed.append(self._pop_oldest_idle())
+        self._bytes_in_use += capacity
+        return capacity
+
+    def _trim(self, now: float) -> tuple[list[Segment], float | None]:
+        """Idle segments beyond ``max_idle_bytes`` idle for ``idle_grace`` or more,
+        oldest first, never the newest; and when to look again (None: no need, or a
+        chore is due already)."""
+        closed: list[Segment] = []
+        while self._bytes_idle > self.max_idle_bytes and len(self._idle) > 1:
+            if self._idle[0].idle_since > now - self.idle_grace:
+                if self._trim_due:
+                    return closed, None
+                self._trim_due = True
+                return closed, self._idle[0].idle_since + self.idle_grace
+            closed.append(self._pop_oldest_idle())
+        return closed, None
+
+    def _pop_oldest_idle(self) -> Segment:
+        segment = self._idle.pop(0)
+        self._bytes_idle -= segment.capacity
+        return segment
+
+    # -- outside the lock ----------------------------------------------------------
+
+    def _schedule_trim(self, when: float | None) -> None:
+        if when is not None:
+            pool = weakref.ref(self)  # a chore does not keep a dropped pool alive
+            housekeeper.call_at(when, lambda: _trim_if_alive(pool))
+
+    def _create(self, capacity: int) -> Segment | None:
+        serial = next(self._serials)
+        try:
+            return _create_segment(capacity, serial)
+        except OSError as exc:  # out of descriptors or memory: use the socket
+            log.warning("cannot create a shared-memory segment (%s); using the socket", exc)
+            with self._lock:
+                self._bytes_in_use -= capacity
+            return None
+
+    @staticmethod
+    def _close(segments: list[Segment]) -> None:
+        """Close segments, tell each owner they were lent to, and unmap them off this
+        thread (``segments`` is emptied: its references were the last)."""
+        for owner, keys in _close_all(segments).items():
+            owner.segments_closed(keys)
+        housekeeper.drop(segments)
+
+
+def _trim_if_alive(pool: weakref.ref[SegmentPool]) -> None:
+    alive = pool()
+    if alive is not None:
+        alive.trim()
+
+
+def _close_all(segments: list[Segment]) -> dict[SegmentOwner, list[int]]:
+    """Close each segment's descriptor; returns the keys each owner was lent."""
+    told: dict[SegmentOwner, list[int]] = {}
+    for segment in segments:
+        segment.close()
+        for owner in segment.lent_to:
+            told.setdefault(owner, []).append(segment.key)
+    return told
+
+
+def _forget_owner(owner: SegmentOwner, segments: list[Segment]) -> None:
+    for segment in segments:
+        segment.lent_to.discard(owner)
+
+
+def fill_all(fills: list[tuple[Segment, memoryview]]) -> None:
+    """Fill each segment with its buffer (a copier thread's job)."""
+    for segment, data in fills:
+        segment.fill(data)
 
 
 def _copy_into(destination: _Mapping, source: memoryview) -> None:
@@ -198,28 +454,31 @@ def _copy_into(destination: _Mapping, source: memoryview) -> None:
     ctypes.memmove(destination.address, source_address, len(source))
 
 
-def _create_segment(nbytes: int, serial: int) -> _Segment:
-    capacity = -(-nbytes // _ALIGN) * _ALIGN
-    fd = os.memfd_create("asyncrpc-segment", os.MFD_CLOEXEC)
+def _create_segment(capacity: int, serial: int) -> Segment:
+    """A memfd named after ``serial`` (receivers check it) and sized, but not mapped:
+    that, and faulting its pages in, happen in ``fill``, off the event loop."""
+    fd = os.memfd_create(f"{_MEMFD_NAME}-{serial}", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, capacity)
-        mapping = _Mapping(fd, capacity)
     except BaseException:
         os.close(fd)
         raise
-    return _Segment(serial << _FD_BITS | fd, fd, capacity, mapping)
+    return Segment(serial << _FD_BITS | fd, fd, capacity)
 
 
 class SegmentMapper:
     """The receiver's side: maps a peer's segments once and hands out views of them.
 
     Up to ``max_cached_bytes`` of mappings stay cached, least recently used first
-    out; a mapping evicted while a tensor still uses it lives on until that dies.
+    out (the newest always stays); a mapping dropped while a tensor still uses it
+    lives on until that dies.  ``forget`` drops the mappings of segments the
+    sender closed.
     """
 
-    def __init__(self, pid: int, max_cached_bytes: int = 2 << 30) -> None:
+    def __init__(self, pid: int, max_cached_bytes: int = DEFAULT_BUDGET) -> None:
         self.pid = pid
         self.max_cached_bytes = max_cached_bytes
+        self.cached_bytes = 0
         self._cache: OrderedDict[int, _Mapping] = OrderedDict()
 
     def view(self, ref: ExternalRef, on_release: Callable[[int], None]) -> memoryview:
@@ -228,6 +487,7 @@ class SegmentMapper:
         mapping = self._cache.get(ref.key)
         if mapping is None:
             mapping = self._cache[ref.key] = self._map(ref)
+            self.cached_bytes += mapping.nbytes
             self._evict()
         else:
             self._cache.move_to_end(ref.key)
@@ -235,27 +495,39 @@ class SegmentMapper:
             raise RemoteProtocolError(f"segment reference of {ref.nbytes} bytes is out of range")
         return mapping.view(ref.nbytes, _Lease(lambda: on_release(ref.key)))
 
+    def forget(self, keys: Iterable[int]) -> None:
+        """The sender closed these segments: stop caching their mappings."""
+        dropped = [m for m in (self._cache.pop(key, None) for key in keys) if m is not None]
+        self.cached_bytes -= sum(m.nbytes for m in dropped)
+        housekeeper.drop(dropped)
+
     def clear(self) -> None:
+        dropped = list(self._cache.values())
         self._cache.clear()
+        self.cached_bytes = 0
+        housekeeper.drop(dropped)
 
     def _map(self, ref: ExternalRef) -> _Mapping:
-        path = f"/proc/{self.pid}/fd/{ref.key & ((1 << _FD_BITS) - 1)}"
+        fd_number = ref.key & ((1 << _FD_BITS) - 1)
+        path = f"/proc/{self.pid}/fd/{fd_number}"
         try:
             fd = os.open(path, os.O_RDWR)
         except OSError as exc:
             raise RemoteProtocolError(f"cannot open shared-memory segment {path}: {exc}") from exc
         try:
-            if not os.readlink(path).startswith("/memfd:asyncrpc-segment"):
-                raise RemoteProtocolError(f"{path} is not an asyncrpc segment")
+            name = os.readlink(path).split(" ", 1)[0]
+            if name != f"/memfd:{_MEMFD_NAME}-{ref.key >> _FD_BITS}":
+                raise RemoteProtocolError(f"{path} is not an asyncrpc segment of that key")
             size = os.fstat(fd).st_size
             if not 0 < ref.nbytes <= size:
                 raise RemoteProtocolError(f"segment {path} does not hold {ref.nbytes} bytes")
-            return _Mapping(fd, size)
+            return _Mapping(fd, size, populate=True)
         finally:
             os.close(fd)
 
     def _evict(self) -> None:
-        while len(self._cache) > 1 and (
-            sum(m.nbytes for m in self._cache.values()) > self.max_cached_bytes
-        ):
-            self._cache.popitem(last=False)
+        dropped = []
+        while len(self._cache) > 1 and self.cached_bytes > self.max_cached_bytes:
+            dropped.append(self._cache.popitem(last=False)[1])
+            self.cached_bytes -= dropped[-1].nbytes
+        housekeeper.drop(dropped)

@@ -17,6 +17,7 @@ Established::
     CANCEL     {i}          the caller gave up (timeout); the callee may stop the work
     SHUTDOWN   {rank}       the sender has called shutdown and has no calls of its own in flight
     RELEASE    {k: [keys]}  the receiver no longer maps these shared-memory segments
+    UNMAP      {k: [keys]}  the sender closed these segments: the receiver drops their mappings
     NOTICE     {n: [[key, *args], ...]}  one-way notices (no reply), as a REQUEST's ``n`` carries
 """
 
@@ -42,6 +43,7 @@ class Kind(IntEnum):
     SHUTDOWN = 14
     RELEASE = 15
     NOTICE = 16
+    UNMAP = 17
 
 
 KNOWN_KINDS: Final = frozenset(int(k) for k in Kind)

@@ -94,6 +94,22 @@ def test_bad_input_drops_only_that_connection() -> None:
     assert seen["still_serving"] == "w1"
 
 
+def test_a_burst_stays_within_the_shared_memory_budget_and_the_loop_responsive() -> None:
+    """40 concurrent 8 MiB calls, 64 MiB budget: what does not fit goes through the
+    socket, every call succeeds, and the caller's loop is never blocked for long (it
+    was blocked while every tensor was copied into a fresh segment on it)."""
+    seen = run_job("shm_budget")[0].result
+    budget = seen["budget"]
+    assert seen["correct"]
+    shm = seen["shm"]
+    assert shm["budget"] == budget
+    assert seen["max_held_bytes"] <= budget and shm["peak_bytes"] <= budget
+    assert 0 < shm["fallbacks"] < 40  # shared memory carried some, the socket the rest
+    assert shm["segments_in_use"] + shm["segments_idle"] <= budget // (8 << 20)
+    assert seen["max_loop_lag"] < 0.5, seen  # generous: a bound, not a benchmark
+    assert seen["issue_seconds"] < 0.5, seen
+
+
 def test_graceful_shutdown_waits_for_peers() -> None:
     workers = run_job("graceful_shutdown")
     assert workers[0].result["results"] == [2 * i for i in range(20)]

@@ -11,6 +11,7 @@ import os
 import random
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -25,13 +26,36 @@ pytestmark = pytest.mark.skipif(
 )
 
 if sys.platform.startswith("linux"):
-    from asyncrpc.transport.shm import SegmentMapper, SegmentPool, host_identity
+    from asyncrpc.transport.shm import (
+        DEFAULT_BUDGET,
+        GRANULE,
+        SegmentMapper,
+        SegmentPool,
+        fill_all,
+        host_identity,
+    )
 
 MiB = 1 << 20
 
 
 def data(n: int, seed: int = 0) -> bytes:
     return random.Random(seed * 7919 + n).randbytes(n)
+
+
+class Owner:
+    """A stand-in for a link: segments are lent to it, and it hears which were closed."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.closed: list[int] = []
+        self.told = threading.Event()
+
+    def segments_closed(self, keys: list[int]) -> None:
+        self.closed.extend(keys)
+        self.told.set()
+
+
+LINK, LINK_A, LINK_B, LOST, ALIVE = (Owner(n) for n in ("link", "a", "b", "lost", "alive"))
 
 
 class Releases:
@@ -51,13 +75,26 @@ def pool() -> Iterator[SegmentPool]:
     p.close()
 
 
+def put(pool: SegmentPool, payload: bytes | bytearray, owner: Owner) -> ExternalRef:
+    """``pool.put`` where the budget has room: a reference, never None."""
+    ref = pool.put(memoryview(payload), owner)
+    assert ref is not None
+    return ref
+
+
+def counts(pool: SegmentPool) -> tuple[int, int, int]:
+    """Segments in use, idle segments, idle bytes."""
+    stats = pool.stats
+    return stats["segments_in_use"], stats["segments_idle"], stats["bytes_idle"]
+
+
 def open_fds() -> set[int]:
     return {int(name) for name in os.listdir("/proc/self/fd")}
 
 
 def test_put_copies_the_data(pool: SegmentPool) -> None:
     source = bytearray(data(3 * MiB + 5, 1))
-    ref = pool.put(memoryview(source), owner="link")
+    ref = put(pool, source, LINK)
     assert isinstance(ref, ExternalRef)
     assert ref.nbytes == len(source)
     expected = bytes(source)
@@ -65,16 +102,16 @@ def test_put_copies_the_data(pool: SegmentPool) -> None:
     memory = SegmentMapper(os.getpid()).view(ref, Releases())
     assert len(memory) == ref.nbytes
     assert memory[:] == expected
-    assert pool.stats == {"segments_in_use": 1, "segments_idle": 0, "idle_bytes": 0}
+    assert counts(pool) == (1, 0, 0)
 
 
 def test_segment_fd_is_a_named_memfd(pool: SegmentPool) -> None:
-    ref = pool.put(memoryview(data(100)), owner="link")
+    ref = put(pool, data(100), LINK)
     assert os.readlink(f"/proc/self/fd/{fd_of(ref)}").startswith("/memfd:asyncrpc-segment")
 
 
 def test_mapping_is_shared_with_the_sender(pool: SegmentPool) -> None:
-    ref = pool.put(memoryview(data(MiB, 2)), owner="link")
+    ref = put(pool, data(MiB, 2), LINK)
     first = SegmentMapper(os.getpid()).view(ref, Releases())
     second = SegmentMapper(os.getpid()).view(ref, Releases())
     first[:4] = b"\xde\xad\xbe\xef"
@@ -83,7 +120,7 @@ def test_mapping_is_shared_with_the_sender(pool: SegmentPool) -> None:
 
 def test_map_segment_does_not_leak_descriptors(pool: SegmentPool) -> None:
     """The module promises: open, map, close the descriptor; the mapping holds no fd."""
-    ref = pool.put(memoryview(data(MiB, 3)), owner="link")
+    ref = put(pool, data(MiB, 3), LINK)
     before = open_fds()
     memory = SegmentMapper(os.getpid()).view(ref, Releases())
     assert open_fds() == before
@@ -91,7 +128,7 @@ def test_map_segment_does_not_leak_descriptors(pool: SegmentPool) -> None:
 
 
 def test_dropping_the_mapping_calls_on_release_with_the_key(pool: SegmentPool) -> None:
-    ref = pool.put(memoryview(data(MiB, 4)), owner="link")
+    ref = put(pool, data(MiB, 4), LINK)
     released = Releases()
     memory = SegmentMapper(os.getpid()).view(ref, released)
     assert released.keys == []
@@ -103,7 +140,7 @@ def test_dropping_the_mapping_calls_on_release_with_the_key(pool: SegmentPool) -
 def test_tensor_over_the_mapping_keeps_it_alive(pool: SegmentPool) -> None:
     """The transport makes the mapping a tensor's storage: release waits for the tensor."""
     payload = data(2 * MiB, 5)
-    ref = pool.put(memoryview(payload), owner="link")
+    ref = put(pool, payload, LINK)
     released = Releases()
     memory = SegmentMapper(os.getpid()).view(ref, released)
     tensor = torch.frombuffer(memory, dtype=torch.uint8)
@@ -118,32 +155,32 @@ def test_tensor_over_the_mapping_keeps_it_alive(pool: SegmentPool) -> None:
 
 
 def test_release_makes_the_segment_reusable(pool: SegmentPool) -> None:
-    first = pool.put(memoryview(data(3 * MiB, 6)), owner="link")
-    pool.release([first.key], owner="link")
+    first = put(pool, data(3 * MiB, 6), LINK)
+    pool.release([first.key], owner=LINK)
     stats = pool.stats
     assert stats["segments_in_use"] == 0 and stats["segments_idle"] == 1
-    assert stats["idle_bytes"] >= 3 * MiB
+    assert stats["bytes_idle"] >= 3 * MiB
     payload = data(3 * MiB - 1000, 7)
-    second = pool.put(memoryview(payload), owner="link")
+    second = put(pool, payload, LINK)
     assert second.key == first.key  # the same fd: reused, not created
     assert second.nbytes == len(payload)
-    assert pool.stats == {"segments_in_use": 1, "segments_idle": 0, "idle_bytes": 0}
+    assert counts(pool) == (1, 0, 0)
     memory = SegmentMapper(os.getpid()).view(second, Releases())
     assert memory[:] == payload
 
 
 def test_reuse_creates_no_new_descriptor(pool: SegmentPool) -> None:
-    ref = pool.put(memoryview(data(MiB, 8)), owner="link")
-    pool.release([ref.key], owner="link")
+    ref = put(pool, data(MiB, 8), LINK)
+    pool.release([ref.key], owner=LINK)
     before = open_fds()
-    again = pool.put(memoryview(data(MiB, 9)), owner="link")
+    again = put(pool, data(MiB, 9), LINK)
     assert open_fds() == before
     assert again.key == ref.key
 
 
 def test_unreleased_segment_is_not_reused(pool: SegmentPool) -> None:
-    first = pool.put(memoryview(data(MiB, 10)), owner="link")
-    second = pool.put(memoryview(data(MiB, 11)), owner="link")
+    first = put(pool, data(MiB, 10), LINK)
+    second = put(pool, data(MiB, 11), LINK)
     assert first.key != second.key
     assert pool.stats["segments_in_use"] == 2
     # The first receiver still sees its own bytes.
@@ -151,64 +188,88 @@ def test_unreleased_segment_is_not_reused(pool: SegmentPool) -> None:
 
 
 def test_much_smaller_buffer_does_not_take_a_huge_idle_segment(pool: SegmentPool) -> None:
-    big = pool.put(memoryview(data(16 * MiB, 12)), owner="link")
-    pool.release([big.key], owner="link")
-    small = pool.put(memoryview(data(MiB, 13)), owner="link")
+    big = put(pool, data(16 * MiB, 12), LINK)
+    pool.release([big.key], owner=LINK)
+    small = put(pool, data(MiB, 13), LINK)
     assert small.key != big.key
     assert pool.stats["segments_idle"] == 1
 
 
 def test_release_by_another_owner_is_ignored(pool: SegmentPool) -> None:
-    ref = pool.put(memoryview(data(MiB, 14)), owner="link-a")
-    pool.release([ref.key], owner="link-b")
-    pool.release([ref.key + 1000], owner="link-a")  # unknown keys are ignored too
+    ref = put(pool, data(MiB, 14), LINK_A)
+    pool.release([ref.key], owner=LINK_B)
+    pool.release([ref.key + 1000], owner=LINK_A)  # unknown keys are ignored too
     assert pool.stats["segments_in_use"] == 1
     assert pool.stats["segments_idle"] == 0
 
 
 def test_double_release_is_harmless(pool: SegmentPool) -> None:
-    ref = pool.put(memoryview(data(MiB, 15)), owner="link")
-    pool.release([ref.key, ref.key], owner="link")
-    pool.release([ref.key], owner="link")
+    ref = put(pool, data(MiB, 15), LINK)
+    pool.release([ref.key, ref.key], owner=LINK)
+    pool.release([ref.key], owner=LINK)
     assert pool.stats["segments_idle"] == 1
     assert pool.stats["segments_in_use"] == 0
 
 
 def test_forget_closes_the_owners_in_use_segments(pool: SegmentPool) -> None:
-    mine = pool.put(memoryview(data(MiB, 16)), owner="lost")
+    mine = put(pool, data(MiB, 16), LOST)
     mapped = SegmentMapper(os.getpid()).view(mine, Releases())
-    other = pool.put(memoryview(data(MiB, 17)), owner="alive")
-    pool.forget("lost")
-    assert pool.stats == {"segments_in_use": 1, "segments_idle": 0, "idle_bytes": 0}
+    other = put(pool, data(MiB, 17), ALIVE)
+    pool.forget(LOST)
+    assert counts(pool) == (1, 0, 0)
     with pytest.raises(OSError):
         os.fstat(fd_of(mine))  # closed on the sender's side
     assert mapped[:] == data(MiB, 16)  # a living receiver keeps its mapping
     # Its late release changes nothing, and the other owner's segment is untouched.
-    pool.release([mine.key], owner="lost")
+    pool.release([mine.key], owner=LOST)
     assert pool.stats["segments_idle"] == 0
     assert SegmentMapper(os.getpid()).view(other, Releases())[:] == data(MiB, 17)
 
 
-def test_trim_closes_idle_segments_beyond_the_limit() -> None:
-    pool = SegmentPool(max_idle_bytes=5 * MiB)
+def test_trim_closes_the_oldest_idle_segments_beyond_the_limit_but_never_the_newest() -> None:
+    pool = SegmentPool(max_idle_bytes=5 * MiB, idle_grace=0)
+    owner = Owner("link")
     try:
-        refs = [pool.put(memoryview(data(n * MiB, n)), owner="link") for n in (1, 3, 7)]
-        pool.release([r.key for r in refs], owner="link")
-        stats = pool.stats
-        assert stats["idle_bytes"] <= 5 * MiB
-        assert stats["segments_idle"] >= 1
-        assert stats["segments_in_use"] == 0
+        refs = [put(pool, data(n * MiB, n), owner) for n in (1, 3, 2, 7)]
+        keys = [r.key for r in refs]
+        pool.release(keys[:3], owner=owner)  # 6 MiB idle: the oldest (1 MiB) goes
+        assert sorted(owner.closed) == [keys[0]]
+        assert pool.stats["bytes_idle"] == 5 * MiB
+        pool.release(keys[3:], owner=owner)  # the newest (7 MiB) stays, alone
+        assert sorted(owner.closed) == sorted(keys[:3])
+        assert counts(pool) == (0, 1, 7 * MiB)
+        for key in keys[:3]:
+            with pytest.raises(OSError):
+                os.fstat(fd_of_key(key))
+    finally:
+        pool.close()
+
+
+def test_idle_segments_beyond_the_limit_are_trimmed_once_their_grace_is_over() -> None:
+    """Within the grace a repeated transfer finds its segments warm; after it, the
+    housekeeping thread closes them even if nothing else happens."""
+    pool = SegmentPool(max_idle_bytes=0, idle_grace=0.2)
+    owner = Owner("link")
+    try:
+        refs = [put(pool, data(n * MiB, n), owner) for n in (1, 2, 3)]
+        pool.release([r.key for r in refs], owner)
+        assert counts(pool) == (0, 3, 6 * MiB)  # in their grace period
+        again = put(pool, data(2 * MiB, 9), owner)
+        assert again.key == refs[1].key  # reused, warm
+        assert owner.told.wait(timeout=10)  # the grace is over: trimmed, unasked
+        assert owner.closed == [refs[0].key]  # the oldest; the newest stays
+        assert counts(pool) == (1, 1, 3 * MiB)
     finally:
         pool.close()
 
 
 def test_close_closes_every_segment() -> None:
     pool = SegmentPool()
-    idle = pool.put(memoryview(data(MiB, 18)), owner="link")
-    busy = pool.put(memoryview(data(MiB, 19)), owner="link")
-    pool.release([idle.key], owner="link")
+    idle = put(pool, data(MiB, 18), LINK)
+    busy = put(pool, data(MiB, 19), LINK)
+    pool.release([idle.key], owner=LINK)
     pool.close()
-    assert pool.stats == {"segments_in_use": 0, "segments_idle": 0, "idle_bytes": 0}
+    assert counts(pool) == (0, 0, 0)
     for key in (idle.key, busy.key):
         with pytest.raises(OSError):
             os.fstat(fd_of_key(key))
@@ -225,13 +286,13 @@ def fd_of(ref: ExternalRef) -> int:
 
 def test_a_cached_mapping_serves_later_transfers_of_the_segment(pool: SegmentPool) -> None:
     mapper = SegmentMapper(os.getpid())
-    first = pool.put(memoryview(data(MiB, 30)), owner="link")
+    first = put(pool, data(MiB, 30), LINK)
     released = Releases()
     view = mapper.view(first, released)
     del view
     assert released.keys == [first.key]
-    pool.release(released.keys, owner="link")
-    second = pool.put(memoryview(data(MiB, 31)), owner="link")
+    pool.release(released.keys, owner=LINK)
+    second = put(pool, data(MiB, 31), LINK)
     assert second.key == first.key
     assert mapper.view(second, Releases())[:] == data(MiB, 31)  # same mapping, new bytes
 
@@ -274,7 +335,7 @@ def test_map_segment_rejects_a_closed_descriptor() -> None:
 
 
 def test_map_segment_rejects_a_ref_larger_than_the_segment(pool: SegmentPool) -> None:
-    ref = pool.put(memoryview(data(MiB, 20)), owner="link")
+    ref = put(pool, data(MiB, 20), LINK)
     size = os.fstat(fd_of(ref)).st_size
     released = Releases()
     with pytest.raises(RemoteProtocolError, match="does not hold"):
@@ -285,7 +346,7 @@ def test_map_segment_rejects_a_ref_larger_than_the_segment(pool: SegmentPool) ->
 
 @pytest.mark.parametrize("nbytes", [0, -1])
 def test_map_segment_rejects_empty_or_negative_refs(pool: SegmentPool, nbytes: int) -> None:
-    ref = pool.put(memoryview(data(MiB, 21)), owner="link")
+    ref = put(pool, data(MiB, 21), LINK)
     with pytest.raises(RemoteProtocolError, match="does not hold"):
         SegmentMapper(os.getpid()).view(ExternalRef(ref.key, nbytes), Releases())
 
@@ -299,3 +360,183 @@ def test_map_segment_of_a_missing_process() -> None:
 def test_host_identity_is_stable_in_a_process() -> None:
     assert host_identity() == host_identity()
     assert host_identity()
+
+
+# -- the budget ---------------------------------------------------------------------------
+
+
+def test_a_put_beyond_the_budget_signals_a_fallback_to_the_socket() -> None:
+    pool = SegmentPool(budget=4 * MiB)
+    try:
+        first = put(pool, data(3 * MiB, 40), LINK)
+        assert pool.put(memoryview(data(2 * MiB, 41)), LINK) is None  # 3 + 2 > 4
+        assert pool.put(memoryview(data(8 * MiB, 42)), LINK) is None  # larger than it all
+        stats = pool.stats
+        assert stats["fallbacks"] == 2 and stats["fallback_bytes"] == 10 * MiB
+        assert stats["bytes_in_use"] == 3 * MiB and stats["segments_in_use"] == 1
+        assert SegmentMapper(os.getpid()).view(first, Releases())[:] == data(3 * MiB, 40)
+    finally:
+        pool.close()
+
+
+def test_a_new_segment_makes_room_by_closing_idle_ones_and_tells_their_owners() -> None:
+    pool = SegmentPool(budget=4 * MiB, max_idle_bytes=4 * MiB)
+    owner = Owner("link")
+    try:
+        old = put(pool, data(3 * MiB, 43), owner)
+        pool.release([old.key], owner)
+        new = put(pool, data(2 * MiB, 44), owner)  # 3 MiB idle does not fit 2 MiB snugly
+        assert new.key != old.key
+        assert owner.closed == [old.key]  # its peer may drop its mapping
+        with pytest.raises(RemoteProtocolError):  # closed (its fd number may be reused)
+            SegmentMapper(os.getpid()).view(old, Releases())
+        assert pool.stats["fallbacks"] == 0
+        assert counts(pool) == (1, 0, 0)
+    finally:
+        pool.close()
+
+
+def test_use_never_exceeds_the_budget_under_random_traffic() -> None:
+    budget = 24 * MiB
+    pool = SegmentPool(budget=budget, max_idle_bytes=6 * MiB)
+    rng = random.Random(7)
+    lent: list[int] = []
+    try:
+        for step in range(300):
+            if lent and rng.random() < 0.45:
+                pool.release([lent.pop(rng.randrange(len(lent)))], LINK)
+            else:
+                ref = pool.put(memoryview(bytes(rng.randint(MiB, 6 * MiB))), LINK)
+                if ref is not None:
+                    lent.append(ref.key)
+            stats = pool.stats
+            assert stats["bytes_in_use"] + stats["bytes_idle"] <= budget, step
+        stats = pool.stats
+        assert stats["peak_bytes"] <= budget
+        assert stats["fallbacks"] > 0 and stats["segments_in_use"] == len(lent)
+    finally:
+        pool.close()
+
+
+def test_default_budget_and_stats() -> None:
+    pool = SegmentPool()
+    try:
+        put(pool, data(MiB, 45), LINK)
+        put(pool, data(2 * MiB, 46), LINK)
+        assert pool.stats == {
+            "budget": DEFAULT_BUDGET,
+            "max_idle_bytes": 256 * MiB,
+            "bytes_in_use": 3 * MiB,
+            "bytes_idle": 0,
+            "peak_bytes": 3 * MiB,
+            "segments_in_use": 2,
+            "segments_idle": 0,
+            "fallbacks": 0,
+            "fallback_bytes": 0,
+        }
+    finally:
+        pool.close()
+
+
+# -- segment sizes and reuse --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nbytes", [MiB, MiB + 5, MiB + 100_000])
+def test_capacity_rounds_up_to_64_kib_not_2_mib(pool: SegmentPool, nbytes: int) -> None:
+    ref = put(pool, data(nbytes, 47), LINK)
+    capacity = os.fstat(fd_of(ref)).st_size
+    assert nbytes <= capacity < nbytes + GRANULE
+    assert capacity < 1.25 * MiB
+    assert pool.stats["bytes_in_use"] == capacity
+
+
+def test_repeated_same_size_transfers_reuse_one_segment(pool: SegmentPool) -> None:
+    keys = set()
+    for i in range(10):
+        ref = put(pool, data(4 * MiB, 48 + i), LINK)
+        keys.add(ref.key)
+        pool.release([ref.key], LINK)
+    assert len(keys) == 1
+    assert counts(pool) == (0, 1, 4 * MiB)
+
+
+def test_reuse_takes_an_idle_segment_only_within_25_percent(pool: SegmentPool) -> None:
+    idle = put(pool, data(2 * MiB, 60), LINK)
+    pool.release([idle.key], LINK)
+    too_small = put(pool, data(MiB, 61), LINK)  # 2 MiB would be twice what it needs
+    assert too_small.key != idle.key
+    snug = put(pool, data(2 * MiB - 300_000, 62), LINK)
+    assert snug.key == idle.key
+
+
+def test_lend_then_fill_in_another_thread(pool: SegmentPool) -> None:
+    payload = data(5 * MiB, 63)
+    segment = pool.lend(len(payload), LINK)
+    assert segment is not None
+    ref = segment.ref(len(payload))  # known before any byte is copied
+    filler = threading.Thread(target=fill_all, args=([(segment, memoryview(payload))],))
+    filler.start()
+    filler.join(timeout=30)
+    assert not filler.is_alive()
+    assert SegmentMapper(os.getpid()).view(ref, Releases())[:] == payload
+
+
+def test_a_lent_segment_closed_before_its_copy_is_never_mapped(pool: SegmentPool) -> None:
+    """Its link was lost while a copier thread had the copy queued: the descriptor is
+    closed (and its number may be reused), so the copy fails instead of mapping it."""
+    owner = Owner("lost")
+    segment = pool.lend(2 * MiB, owner)
+    assert segment is not None and segment.mapping is None  # lending maps nothing
+    pool.forget(owner)
+    with pytest.raises(OSError):
+        segment.fill(memoryview(data(2 * MiB, 71)))
+    assert segment.mapping is None
+    assert counts(pool) == (0, 0, 0)
+
+
+def test_forget_tells_other_owners_of_the_segments_it_closes(pool: SegmentPool) -> None:
+    """A segment lent to A, then to B: B's link is lost, so it closes; A's peer may
+    still cache it, so A hears of it too (B, being gone, does not)."""
+    a, b = Owner("a"), Owner("b")
+    first = put(pool, data(MiB, 64), a)
+    pool.release([first.key], a)
+    again = put(pool, data(MiB, 65), b)
+    assert again.key == first.key
+    pool.forget(b)
+    assert a.closed == [first.key] and b.closed == []
+
+
+# -- the receiver's cache -------------------------------------------------------------------
+
+
+def test_mapper_forgets_segments_the_sender_closed(pool: SegmentPool) -> None:
+    mapper = SegmentMapper(os.getpid())
+    refs = [put(pool, data(n * MiB, 66), LINK) for n in (1, 2)]
+    views = [mapper.view(ref, Releases()) for ref in refs]
+    assert mapper.cached_bytes == 3 * MiB
+    mapper.forget([refs[0].key, 12345])
+    assert mapper.cached_bytes == 2 * MiB
+    assert views[0][:] == data(MiB, 66)  # a living view keeps its own mapping
+    mapper.clear()
+    assert mapper.cached_bytes == 0
+
+
+def test_mapper_cache_is_bounded_and_keeps_the_newest(pool: SegmentPool) -> None:
+    mapper = SegmentMapper(os.getpid(), max_cached_bytes=3 * MiB)
+    for n in (1, 2, 2):
+        ref = put(pool, data(n * MiB, 67), LINK)
+        del ref  # the views die at once: only the cache holds mappings
+        mapper.view(put(pool, data(n * MiB, 68), LINK), Releases())
+    assert mapper.cached_bytes == 2 * MiB  # 1 + 2 fit, a second 2 MiB evicted both
+    big = put(pool, data(5 * MiB, 69), LINK)
+    mapper.view(big, Releases())
+    assert mapper.cached_bytes == 5 * MiB  # over the bound, but the newest stays
+
+
+def test_map_segment_rejects_a_key_with_another_serial(pool: SegmentPool) -> None:
+    """The key's serial must be in the memfd's name: a descriptor number reused by a
+    newer segment is not mistaken for the one the key named."""
+    ref = put(pool, data(MiB, 70), LINK)
+    stale = ExternalRef(ref.key + (1 << 32), ref.nbytes)
+    with pytest.raises(RemoteProtocolError, match="not an asyncrpc segment"):
+        SegmentMapper(os.getpid()).view(stale, Releases())

@@ -1,0 +1,153 @@
+"""Background threads for the shared-memory work no event loop should do.
+
+Theory of operation
+-------------------
+:class:`Copiers` are a segment pool's threads that fill segments: started with
+the pool, fed through a queue.  (``ThreadPoolExecutor`` starts its threads on
+the first submits, and starting a thread waits until it runs: tens of ms on a
+loaded 2-vCPU host, on the event loop that submitted.)  A job's references go
+when it ends, so a tensor being copied lives no longer than its copy.
+
+Giving shared memory back is slow: the last unmap of a segment frees its pages,
+which took 10-30 ms for 64 MiB and 90-750 ms for 400 MiB on our 2-core VM.  So
+the objects that hold mappings are handed to :data:`housekeeper`, whose thread
+drops them (``drop`` empties the list it is given, so the caller's references
+are gone and the thread's are the last; a reference held elsewhere, such as a
+tensor on a view, just makes the unmap happen later, where that one dies).
+
+The housekeeping thread (one per process, started on first use) also runs
+timed chores (``call_at``): a segment pool trims idle segments it has kept past
+their grace period, whether or not anything else happens by then.  A chore that
+raises is logged; the thread carries on.  All these threads are daemons: at
+exit the kernel takes the mappings back anyway.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+log = logging.getLogger("asyncrpc.transport")
+Chore = tuple[float, int, Callable[[], None]]
+
+
+class Housekeeper:
+    """See the module docstring."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[list[Any] | Chore] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._started = False
+        self._order = itertools.count()
+
+    def drop(self, objects: list[Any]) -> None:
+        """Let go of ``objects`` on the housekeeping thread; empties the list."""
+        if objects:
+            self._put(objects[:])
+            objects.clear()
+
+    def call_at(self, when: float, chore: Callable[[], None]) -> None:
+        """Run ``chore()`` on the housekeeping thread at ``time.monotonic()`` ``when``."""
+        self._put((when, next(self._order), chore))
+
+    def _put(self, item: list[Any] | Chore) -> None:
+        with self._lock:
+            if not self._started:
+                self._started = True
+                threading.Thread(
+                    target=self._run, name="asyncrpc-housekeeping", daemon=True
+                ).start()
+        self._queue.put(item)
+
+    def _run(self) -> None:
+        chores: list[Chore] = []
+        while True:
+            self._wait(chores)
+            while chores and chores[0][0] <= time.monotonic():
+                _run_chore(heapq.heappop(chores)[2])
+
+    def _wait(self, chores: list[Chore]) -> None:
+        """Until the next chore is due or something arrives (dropped at once)."""
+        timeout = max(0.0, chores[0][0] - time.monotonic()) if chores else None
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return
+        if isinstance(item, tuple):
+            heapq.heappush(chores, item)
+        # a list of objects to drop goes with this frame
+
+
+class Copiers:
+    """``threads`` threads running jobs in submission order, started right away."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future[None], Callable[[], None]] | None]
+        self._jobs = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, job: Callable[[], None]) -> Future[None]:
+        """Run ``job()`` on one of the threads; a future of its outcome."""
+        future: Future[None] = Future()
+        self._jobs.put((future, job))
+        return future
+
+    def shutdown(self) -> None:
+        """Let each thread finish the jobs before this and end (without waiting)."""
+        for _ in self._threads:
+            self._jobs.put(None)
+
+    def _run(self) -> None:
+        while _run_job(self._jobs.get()):
+            pass
+
+
+def _run_job(item: tuple[Future[None], Callable[[], None]] | None) -> bool:
+    """Run one job (False: the end); its references die with this frame."""
+    if item is None:
+        return False
+    future, job = item
+    del item
+    if future.set_running_or_notify_cancel():
+        error = _call(job)
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+            # The traceback reaches this frame (through its callee's f_back): holding the
+            # future here would make a reference cycle, and the garbage collector of
+            # Python 3.11 can crash breaking one that holds a memoryview a tensor was
+            # made from (gh-77894), as a failed copy's frames do.
+            del error, future
+    return True
+
+
+def _call(job: Callable[[], None]) -> BaseException | None:
+    """``job()``, and what it raised."""
+    try:
+        job()
+    except BaseException as exc:
+        return exc
+    return None
+
+
+def _run_chore(chore: Callable[[], None]) -> None:
+    try:
+        chore()
+    except Exception:
+        log.exception("shared-memory housekeeping chore failed")
+
+
+housekeeper = Housekeeper()

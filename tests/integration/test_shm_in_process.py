@@ -1,0 +1,208 @@
+"""Same-host shared memory between agents on one loop: copies run off the loop and keep
+each link's order, the budget sends the rest through the socket (whatever the receiver
+keeps alive), and a receiver lets go of segments its sender closed."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import sys
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+
+import pytest
+import torch
+
+from asyncrpc.agent import AgentOptions, RpcAgent, on_loop
+from asyncrpc.errors import PeerLostError
+from asyncrpc.transport import shm
+from asyncrpc.wire import Kind
+from tests.in_process import joined_agents
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"),
+        reason="shared-memory segments need Linux memfd and /proc",
+    ),
+]
+MiB = 1 << 20
+OPTIONS = AgentOptions(transports=("unix",), rpc_timeout=20)
+arrivals: list[int] = []
+kept: list[torch.Tensor] = []
+
+
+@on_loop
+def arrive(i: int, x: torch.Tensor | None) -> int:
+    """Runs on the callee's loop as its request arrives: records the arrival order."""
+    arrivals.append(i)
+    return 0 if x is None else x.numel()
+
+
+def digest(x: torch.Tensor) -> str:
+    return hashlib.blake2b(memoryview(x.numpy()).cast("B")).hexdigest()
+
+
+def keep(x: torch.Tensor) -> str:
+    """A receiver that never lets go of what it was sent."""
+    kept.append(x)
+    return digest(x)
+
+
+def tensor(nbytes: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, generator=generator)
+
+
+@pytest.fixture(autouse=True)
+def fresh() -> None:
+    arrivals.clear()
+    kept.clear()
+
+
+@pytest.fixture
+async def pair(request: pytest.FixtureRequest) -> AsyncIterator[tuple[RpcAgent, RpcAgent]]:
+    options = getattr(request, "param", OPTIONS)
+    async with joined_agents("ab", options) as agents:
+        yield agents[0], agents[1]
+
+
+def shared(agent: RpcAgent) -> dict[str, int]:
+    info: dict[str, int] = agent.debug_info()["shared_memory"]
+    return info
+
+
+async def eventually(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Wait (bounded) until ``condition()``: messages still travel between the agents."""
+    try:
+        async with asyncio.timeout(timeout):
+            while not condition():
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"not within {timeout}s: {what}") from None
+
+
+async def test_copies_run_off_the_loop_unless_small_and_warm_and_nothing_overtakes(
+    pair: tuple[RpcAgent, RpcAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, _ = pair
+    copied_on: list[str] = []
+    fill = shm.Segment.fill
+
+    def recording_fill(segment: shm.Segment, data: memoryview) -> None:
+        copied_on.append(threading.current_thread().name)
+        fill(segment, data)
+
+    monkeypatch.setattr(shm.Segment, "fill", recording_fill)
+    big, medium = torch.ones(8 * MiB), torch.ones(MiB)  # 32 MiB and 4 MiB
+    calls = [
+        a.rpc_async("b", arrive, args=(0, big)),
+        a.rpc_async("b", arrive, args=(1, None)),
+        a.rpc_async("b", arrive, args=(2, medium)),
+        a.rpc_async("b", arrive, args=(3, None)),
+    ]
+    assert await asyncio.gather(*calls) == [8 * MiB, 0, MiB, 0]
+    assert arrivals == [0, 1, 2, 3]
+    assert len(copied_on) == 2  # new segments: both copies in copier threads
+    assert all(name.startswith("asyncrpc-shm-copy") for name in copied_on)
+    await eventually(lambda: shared(a)["segments_in_use"] == 0, "both segments released")
+
+    # Again, into the same (warm) segments: 4 MiB is copied on the loop at once, yet
+    # its message still waits behind the 32 MiB one.
+    arrivals.clear()
+    copied_on.clear()
+    calls = [
+        a.rpc_async("b", arrive, args=(0, big)),
+        a.rpc_async("b", arrive, args=(1, medium)),
+        a.rpc_async("b", arrive, args=(2, None)),
+    ]
+    assert await asyncio.gather(*calls) == [8 * MiB, MiB, 0]
+    assert arrivals == [0, 1, 2]
+    assert sorted(name.startswith("asyncrpc-shm-copy") for name in copied_on) == [False, True]
+    assert threading.current_thread().name in copied_on
+    stats = shared(a)
+    assert stats["fallbacks"] == 0 and stats["segments_in_use"] + stats["segments_idle"] == 2
+
+
+@pytest.mark.parametrize(
+    "pair", [replace(OPTIONS, shared_memory_budget=8 * MiB)], indirect=True, ids=["8MiB"]
+)
+async def test_beyond_the_budget_buffers_go_through_the_socket(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    a, _ = pair
+    sent = [tensor(4 * MiB, i) for i in range(6)]
+    answers = await asyncio.gather(*(a.rpc_async("b", digest, args=(x,)) for x in sent))
+    assert answers == [digest(x) for x in sent]
+    stats = shared(a)
+    assert stats["fallbacks"] == 4  # two 4 MiB segments fill the budget
+    assert stats["peak_bytes"] <= 8 * MiB
+
+
+@pytest.mark.parametrize(
+    "pair", [replace(OPTIONS, shared_memory_budget=8 * MiB)], indirect=True, ids=["8MiB"]
+)
+async def test_a_receiver_keeping_every_tensor_does_not_stall_its_sender(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    a, _ = pair
+    for i in range(6):  # one after another: nothing is ever released
+        x = tensor(4 * MiB, 10 + i)
+        assert await a.rpc_async("b", keep, args=(x,)) == digest(x)
+    assert [digest(x) for x in kept] == [digest(tensor(4 * MiB, 10 + i)) for i in range(6)]
+    stats = shared(a)
+    assert stats["segments_in_use"] == 2 and stats["bytes_in_use"] == 8 * MiB
+    assert stats["fallbacks"] == 4
+
+
+async def test_a_failed_copy_falls_back_to_the_socket(
+    pair: tuple[RpcAgent, RpcAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, _ = pair
+
+    def no_memory(segment: shm.Segment, data: memoryview) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(shm.Segment, "fill", no_memory)
+    x = tensor(4 * MiB, 20)
+    assert await a.rpc_async("b", digest, args=(x,)) == digest(x)
+    assert await a.rpc_async("b", arrive, args=(1, None)) == 0  # the link still works
+    stats = shared(a)
+    assert stats["fallbacks"] == 1 and stats["segments_in_use"] == 0
+
+
+@pytest.mark.parametrize(
+    "pair", [replace(OPTIONS, shared_memory_idle=0)], indirect=True, ids=["no-idle"]
+)
+async def test_the_receiver_unmaps_segments_its_sender_closed(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    a, b = pair
+    for size in (2, 3, 4):  # each one too large to reuse the last: three segments
+        x = tensor(size * MiB, size)
+        assert await a.rpc_async("b", digest, args=(x,)) == digest(x)
+    await eventually(
+        lambda: shared(a)["segments_in_use"] == 0 and shared(a)["segments_idle"] == 1,
+        "the receiver releases all, and after their grace all idle segments but the last "
+        "released one close (the idle cap is 0)",
+    )
+    await eventually(
+        lambda: shared(b)["mapped_bytes"] == shared(a)["bytes_idle"],
+        "the receiver drops the mappings of the two closed segments",
+    )
+
+
+async def test_nothing_is_lent_to_a_link_that_is_gone(pair: tuple[RpcAgent, RpcAgent]) -> None:
+    """A reply encoded in a pool thread while its link drops, or a send on a dropped
+    link: segments lent then would count against the budget forever."""
+    a, _ = pair
+    link = a._links.get("b") or await a._connect("b")
+    link.abort(PeerLostError("dropped by the test"))
+    big = memoryview(bytes(2 * MiB))
+    parts = await asyncio.to_thread(link.encode, Kind.RESPONSE, {"i": 1}, b"", [big])
+    assert parts  # encoded all the same (the caller drops them)
+    link.send(Kind.RESPONSE, {"i": 2}, b"", [big])
+    stats = shared(a)
+    assert stats["segments_in_use"] == 0 and stats["bytes_in_use"] == 0
