@@ -63,6 +63,10 @@ class RRef(Generic[T]):
     _owner: int
     _creation: asyncio.Future[Any] | None
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        register_reducer(cls, _reduce_rref)  # a subclass's handles travel as RRefs too
+
     def __init__(self, value: T) -> None:
         context = context_for(_agent())
         done = context.agent.loop.create_future()
@@ -371,7 +375,7 @@ def remote(
             if isinstance(func, _MethodCall)
             else agent.invoke(func, args or (), kwargs or {})
         )
-        return RRef._attach(context, context.create_local(made), owner)
+        return _handle_type(context)._attach(context, context.create_local(made), owner)
     with context._lock:
         rref, fork = context.state.create_remote(owner)
     try:
@@ -387,7 +391,7 @@ def remote(
             del context.state.held[rref]  # nothing was sent, and no handle exists
         raise
     creation.add_done_callback(lambda done: _created(context, rref, done))
-    return RRef._attach(context, rref, owner, creation)
+    return _handle_type(context)._attach(context, rref, owner, creation)
 
 
 def _created(context: RRefContext, rref: RRefId, creation: asyncio.Future[Any]) -> None:
@@ -486,7 +490,12 @@ def _rebuild_rref(rref: RRefId, owner: int, fork: ForkId | None, parent: int) ->
         ) from None
     if owner == context.rank:  # a call given its owner's RRef starts once the value is made
         start_after(context.value_of(rref))  # (so local_value() works in it, as in torch)
-    return RRef._attach(context, rref, owner)
+    return _handle_type(context)._attach(context, rref, owner)
+
+
+def _handle_type(context: RRefContext) -> type[RRef[Any]]:
+    """The class of the handles this worker makes (a layer above may set a subclass)."""
+    return context.handle_type or RRef
 
 
 def _receiving_context() -> RRefContext:
