@@ -40,11 +40,12 @@ class Unsupported:
         return f"<unsupported {self._name}>"
 
 
-def private_getattr(module: str) -> Any:
-    """A module ``__getattr__``: private names become :class:`Unsupported`."""
+def private_getattr(module: str, every_name: bool = False) -> Any:
+    """A module ``__getattr__``: private names (``every_name``: all names but dunders)
+    become :class:`Unsupported`."""
 
     def __getattr__(name: str) -> Unsupported:  # noqa: N807  # the module hook
-        if name.startswith("_") and not name.startswith("__"):
+        if (every_name or name.startswith("_")) and not name.startswith("__"):
             return Unsupported(f"{module}.{name}")
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 

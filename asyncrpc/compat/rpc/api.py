@@ -253,3 +253,38 @@ def _get_current_rpc_agent() -> _CurrentAgent:
 
 
 __getattr__ = private_getattr("torch.distributed.rpc.api")
+
+
+# -- torch's private barriers, over RPC to a leader (the first name) -------------------
+
+_arrivals = threading.Condition()
+_arrived: dict[tuple[tuple[str, ...], int], set[str]] = {}
+_rounds: dict[tuple[str, ...], int] = {}
+
+
+def _barrier(worker_names: list[str] | set[str], timeout: float = UNSET_RPC_TIMEOUT) -> None:
+    """Block until every worker of ``worker_names`` has called ``_barrier`` with the
+    same names (torch's private helper); bounded by ``timeout`` (default
+    ``rpc_timeout``)."""
+    names = tuple(sorted(worker_names))
+    with _arrivals:
+        round_ = _rounds[names] = _rounds.get(names, 0) + 1
+    seconds = get_rpc_timeout() if timeout < 0 else float(timeout)
+    me = get_worker_info().name
+    rpc_sync(names[0], _arrive, args=(names, round_, me, seconds), timeout=0)
+
+
+def _wait_all_workers(timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
+    """Block until every worker of the job has called it (torch's private helper)."""
+    _barrier([info.name for info in _worker_infos()], timeout if timeout > 0 else -1)
+
+
+def _arrive(names: tuple[str, ...], round_: int, who: str, timeout: float) -> None:
+    """On the leader, in a pool thread: wait until all ``names`` arrived in ``round_``."""
+    key = (names, round_)
+    with _arrivals:
+        _arrived.setdefault(key, set()).add(who)
+        _arrivals.notify_all()
+        if not _arrivals.wait_for(lambda: len(_arrived[key]) == len(names), timeout or None):
+            missing = sorted(set(names) - _arrived[key])
+            raise RuntimeError(f"barrier timed out after {timeout}s waiting for {missing}")

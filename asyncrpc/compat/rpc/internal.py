@@ -2,7 +2,7 @@
 
 from asyncrpc.compat._private import private_getattr
 
-__getattr__ = private_getattr("torch.distributed.rpc.internal")
+__getattr__ = private_getattr("torch.distributed.rpc.internal", every_name=True)
 
 
 def __dir__() -> list[str]:
