@@ -101,7 +101,7 @@ def running() -> Runtime:
     """The runtime, or ``AgentStateError`` when compat RPC is not initialised."""
     if _runtime is None:
         raise AgentStateError(
-            "RPC is not initialised: call `asyncrpc.compat.rpc.init_rpc(...)` first"
+            "RPC has not been initialized: call `asyncrpc.compat.rpc.init_rpc(...)` first"
         )
     return _runtime
 

@@ -99,5 +99,5 @@ def _agent() -> RpcAgent:
     _runtime.running()
     agent = current_agent()
     if agent is None:
-        raise AgentStateError("RPC is not initialised: call `rpc.init_rpc(...)` first")
+        raise AgentStateError("RPC has not been initialized: call `rpc.init_rpc(...)` first")
     return agent

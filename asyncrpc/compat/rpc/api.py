@@ -71,6 +71,7 @@ def init_rpc(
         )
     threads = getattr(options, "num_worker_threads", 16)
     _runtime.start(threads)
+    RRefContext.handle_type = RRef  # before joining: peers may call us at once
     try:
         _runtime.run(
             lambda: native_api.init_rpc(
@@ -84,9 +85,9 @@ def init_rpc(
             "init_rpc",
         )
     except BaseException:
+        RRefContext.handle_type = None
         _runtime.stop()
         raise
-    RRefContext.handle_type = RRef
 
 
 def _check_options(options: RpcBackendOptions) -> None:
@@ -114,7 +115,7 @@ def _agent() -> RpcAgent:
     _runtime.running()
     agent = current_agent()
     if agent is None:
-        raise AgentStateError("RPC is not initialised: call `rpc.init_rpc(...)` first")
+        raise AgentStateError("RPC has not been initialized: call `rpc.init_rpc(...)` first")
     return agent
 
 

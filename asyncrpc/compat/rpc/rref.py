@@ -136,9 +136,9 @@ class RRef(NativeRRef[T]):
         return future.wait() if blocking else future
 
 
-def _value_type(rref: NativeRRef[Any]) -> type:
-    """On the owner: the type of the RRef's value."""
-    return type(NativeRRef.local_value(rref))
+async def _value_type(rref: NativeRRef[Any]) -> type:
+    """On the owner: the type of the RRef's value, once made."""
+    return type(await NativeRRef.to_here(rref))
 
 
 class _Proxy:
