@@ -41,6 +41,11 @@ class context:  # noqa: N801  # torch's name
 
     def __enter__(self) -> int:
         agent = _agent()
+        if current_context_id.get() is not None:
+            raise RuntimeError(
+                "Already have an autograd context id for this thread "
+                f"({current_context_id.get()}); contexts do not nest"
+            )
         opened = contexts_of(agent).new_context()
         self._id = opened.id
         self._token = current_context_id.set(opened.id)
@@ -63,9 +68,15 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     """Run the backward pass from the scalar ``roots`` across every worker involved;
     gradients accumulate in the context (:func:`get_gradients`).  Blocks."""
     _retrieve_context(context_id)
-    _runtime.run(
-        lambda: native.backward(context_id, list(roots), retain_graph), "dist_autograd.backward"
-    )
+    try:
+        _runtime.run(
+            lambda: native.backward(context_id, list(roots), retain_graph),
+            "dist_autograd.backward",
+        )
+    except RuntimeError:
+        raise
+    except Exception as exc:  # torch's engine reports every failure as a RuntimeError
+        raise RuntimeError(f"distributed backward pass failed: {exc!r}: {exc}") from exc
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

@@ -123,5 +123,5 @@ def test_compat_api_on_two_workers() -> None:
 
 
 def test_blocking_call_without_init_is_a_clear_error() -> None:
-    with pytest.raises(RuntimeError, match="^RPC has not been initialized"):
+    with pytest.raises(RuntimeError, match=r"^RPC has not been initialized"):
         rpc.rpc_sync("w1", add, args=(1, 2))

@@ -25,7 +25,7 @@ import asyncrpc.api as native_api
 from asyncrpc.agent import WorkerInfo as NativeWorkerInfo
 from asyncrpc.agent import validate_name
 from asyncrpc.compat import _runtime
-from asyncrpc.compat.errors import convert
+from asyncrpc.compat.errors import SerializationError, convert
 from asyncrpc.compat.rpc.constants import UNSET_RPC_TIMEOUT
 from asyncrpc.rref import RRef as NativeRRef
 
@@ -80,6 +80,12 @@ class RRef(NativeRRef[T]):
     def __init__(self, value: T, type_hint: Any = None) -> None:
         _runtime.call(lambda: NativeRRef.__init__(self, value), "RRef()")
 
+    def __reduce__(self) -> Any:
+        raise SerializationError(
+            f"Can not pickle rref in python pickler, rref can only be pickled when using RPC "
+            f"({self!r} pickles only into asyncrpc calls)"
+        )
+
     def owner(self) -> WorkerInfo:
         """The owner's WorkerInfo."""
         return worker_info(super().owner())
@@ -112,13 +118,20 @@ class RRef(NativeRRef[T]):
         return _Proxy(self, "remote", _runtime.value_or_none(timeout))
 
     def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:  # type: ignore[override]  # torch's blocking form
-        """Distributed backward pass from the RRef's scalar value, in the given context
-        (``-1``: the current one)."""
-        from asyncrpc.compat import autograd  # noqa: PLC0415  # autograd imports this module
-
-        context_id = (
-            autograd._current_context().id if dist_autograd_ctx_id == -1 else dist_autograd_ctx_id
-        )
+        """Backward pass from the RRef's scalar value: distributed, in context
+        ``dist_autograd_ctx_id``; or, with ``-1``, local autograd on the owner."""
+        if dist_autograd_ctx_id == -1:
+            if self.is_owner():
+                _local_backward(self, retain_graph)
+            else:
+                _runtime.run(
+                    lambda: native_api.rpc_async(
+                        self._owner, _local_backward, (self, retain_graph)
+                    ),
+                    f"{self!r}.backward()",
+                )
+            return
+        context_id = dist_autograd_ctx_id
         _runtime.run(
             lambda: NativeRRef.backward(self, context_id, retain_graph), f"{self!r}.backward()"
         )
@@ -134,6 +147,11 @@ class RRef(NativeRRef[T]):
                 f"{self!r}._get_type()",
             )
         return future.wait() if blocking else future
+
+
+def _local_backward(rref: NativeRRef[Any], retain_graph: bool) -> None:
+    """On the owner: local autograd from the RRef's scalar value (``.grad`` accumulates)."""
+    NativeRRef.local_value(rref).backward(retain_graph=retain_graph)
 
 
 async def _value_type(rref: NativeRRef[Any]) -> type:
