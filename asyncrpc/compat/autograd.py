@@ -76,7 +76,14 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     except RuntimeError:
         raise
     except Exception as exc:  # torch's engine reports every failure as a RuntimeError
-        raise RuntimeError(f"distributed backward pass failed: {exc!r}: {exc}") from exc
+        raise RuntimeError(f"Error on Node {_node_of(exc)}: {exc}") from exc
+
+
+def _node_of(error: BaseException) -> int:
+    """The rank of the worker where ``error`` was raised (torch's "Node")."""
+    agent = _agent()
+    worker = getattr(error, "remote_worker", None)
+    return agent.info.id if worker is None else agent.resolve(worker).rank
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

@@ -63,6 +63,8 @@ def init_rpc(
     ``num_worker_threads``.  Blocks until every worker has joined."""
     options = rpc_backend_options or TensorPipeRpcBackendOptions()
     _check_options(options)
+    if _runtime.is_running():
+        raise AgentStateError("RPC is already initialized: call shutdown() first")
     native = current_agent()
     if native is not None and native.state != "closed":
         raise AgentStateError(

@@ -132,6 +132,9 @@ class RRef(NativeRRef[T]):
                 )
             return
         context_id = dist_autograd_ctx_id
+        from asyncrpc.compat.autograd import _retrieve_context  # noqa: PLC0415  # imports us
+
+        _retrieve_context(context_id)  # torch's error for an unknown context, before sending
         _runtime.run(
             lambda: NativeRRef.backward(self, context_id, retain_graph), f"{self!r}.backward()"
         )
