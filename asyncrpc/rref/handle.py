@@ -382,7 +382,7 @@ def remote(
         creation = agent.rpc_async(
             owner,
             _create,
-            (rref, fork, func, args or (), kwargs or {}),
+            (_Registration(rref, fork), func, args or (), kwargs or {}),
             timeout=timeout,
             label=f"remote({function_name(func)})",
         )
@@ -401,15 +401,40 @@ def _created(context: RRefContext, rref: RRefId, creation: asyncio.Future[Any]) 
     context.event(context.state.fork_confirmed, rref)
 
 
-@async_execution
-def _create(
-    rref: RRefId, fork: ForkId, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> asyncio.Future[None]:
-    """Owner side of ``remote()``: count the creator's fork, make the value; reply when
-    it is made (with nothing: the value stays here) or failed."""
-    context = context_for(_agent())
+class _Registration:
+    """``remote()``'s RRef and the creator's fork, in its request to the owner.  The
+    owner records them as this unpickles, in link order, before anything in the request
+    can hold the call back (``start_after``): a later ``to_here`` or method call on
+    the same link must find the RRef."""
+
+    __slots__ = ("fork", "rref")
+
+    def __init__(self, rref: RRefId, fork: ForkId) -> None:
+        self.rref, self.fork = rref, fork
+
+
+def _reduce_registration(registration: _Registration) -> Any:
+    return _register, (registration.rref, registration.fork)
+
+
+def _register(rref: RRefId, fork: ForkId) -> tuple[RRefId, bool]:
+    """On the owner, as the request unpickles: count the creator's fork; returns the
+    RRef's id and whether this is the first request to make it."""
+    context = _receiving_context()
     with context._lock:
         first = context.state.owner_create(rref, fork, rref[0])
+    context.value_of(rref)
+    return rref, first
+
+
+@async_execution
+def _create(
+    registered: tuple[RRefId, bool], func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> asyncio.Future[None]:
+    """Owner side of ``remote()`` (the RRef was registered as the request unpickled):
+    make the value; reply when it is made (with nothing: the value stays here) or failed."""
+    rref, first = registered
+    context = context_for(_agent())
     value = context.value_of(rref)
     if first:
         context.agent.invoke(func, args, kwargs).add_done_callback(
@@ -514,3 +539,4 @@ def _agent() -> RpcAgent:
 
 register_reducer(RRef, _reduce_rref)
 register_reducer(_MethodCall, _reduce_method_call)
+register_reducer(_Registration, _reduce_registration)
