@@ -121,37 +121,37 @@ KNOWN_FAILURES: dict[str, str] = {
         "validation order: init_rpc rendezvouses before it checks backend and option types"
     ),
     "TensorPipeAgentDistAutogradTest.test_backward_different_dtypes_sparse": (
-        "regression after rebasing on main: sparse leaves get no context gradient ({}); most passed before"
+        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
     ),
     "TensorPipeAgentDistAutogradTest.test_backward_multiple_round_trips_sparse": (
-        "regression after rebasing on main: sparse leaves get no context gradient ({}); most passed before"
+        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
     ),
     "TensorPipeAgentDistAutogradTest.test_backward_rref_multi_sparse": (
-        "regression after rebasing on main: sparse leaves get no context gradient ({}); most passed before"
+        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
     ),
     "TensorPipeAgentDistAutogradTest.test_backward_rref_nested_sparse": (
-        "regression after rebasing on main: sparse leaves get no context gradient ({}); most passed before"
+        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
     ),
     "TensorPipeAgentDistAutogradTest.test_backward_rref_sparse": (
-        "regression after rebasing on main: sparse leaves get no context gradient ({}); most passed before"
+        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
     ),
     "TensorPipeAgentDistAutogradTest.test_backward_simple_python_udf_sparse": (
-        "regression after rebasing on main: sparse leaves get no context gradient ({}); most passed before"
+        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
     ),
     "TensorPipeAgentDistAutogradTest.test_backward_simple_self_sparse": (
-        "regression after rebasing on main: sparse leaves get no context gradient ({}); most passed before"
+        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
     ),
     "TensorPipeAgentDistAutogradTest.test_backward_simple_sparse": (
-        "regression after rebasing on main: sparse leaves get no context gradient ({}); most passed before"
+        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
     ),
     "TensorPipeAgentDistAutogradTest.test_backwards_nested_python_udf_sparse": (
-        "regression after rebasing on main: sparse leaves get no context gradient ({}); most passed before"
+        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
     ),
     "TensorPipeAgentDistAutogradTest.test_mixed_requires_grad_sparse": (
-        "regression after rebasing on main: sparse leaves get no context gradient ({}); most passed before"
+        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
     ),
     "TensorPipeAgentDistAutogradTest.test_trainer_ps_sparse": (
-        "regression after rebasing on main: sparse leaves get no context gradient ({}); most passed before"
+        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
     ),
     "TensorPipeAgentRpcTest.test_dynamic_and_static_init_rpc_together": (
         "dynamic membership (no world_size) is not supported"
