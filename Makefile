@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: install test demo bench soak lint typecheck clean
+.PHONY: install test compat demo bench soak lint typecheck clean
 
 install: $(STAMP)
 
@@ -20,6 +20,11 @@ $(STAMP): pyproject.toml
 
 test: install
 	$(PY) -m pytest -q
+
+# torch's own RPC test suites against asyncrpc.compat, every in-scope test (docs/compat.md);
+# `make test` runs a quick subset of them.
+compat: install
+	ASYNCRPC_COMPAT_FULL=1 $(PY) -m pytest -q tests/compat
 
 demo: install
 	$(PY) examples/parameter_server.py

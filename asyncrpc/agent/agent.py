@@ -184,6 +184,9 @@ class RpcAgent:
         self._admission = Admission(options.max_pending_handshakes)
         self._links: dict[str, Link] = {}  # outgoing, by peer name
         self._dials: dict[str, asyncio.Future[Link]] = {}
+        # Requests waiting for a peer's link, in call order: one task sends them all once
+        # it is up, so a call made after the link came up cannot overtake them.
+        self._backlog: dict[str, list[OutgoingRequest]] = {}
         self._pending: dict[int, PendingCall] = {}
         self._notices = Notices()
         self._ids = itertools.count(1)
@@ -418,10 +421,10 @@ class RpcAgent:
         if notices:
             meta["n"] = notices
         request = OutgoingRequest(call_id, meta, payload, buffers, reverts)
-        if link is not None:
+        if link is not None and peer not in self._backlog:
             self._send_request(link, request)
         else:
-            self._spawn(self._send_after_dial(peer, request))
+            self._queue_behind_dial(peer, request)
         return call.future
 
     def _too_large(self, link: Link | None, peer: str, name: str, size: int) -> LocalProtocolError:
@@ -480,17 +483,28 @@ class RpcAgent:
             undo(request.undo)
             self._finish(request.call_id, error=exc)
 
-    async def _send_after_dial(self, peer: str, request: OutgoingRequest) -> None:
+    def _queue_behind_dial(self, peer: str, request: OutgoingRequest) -> None:
+        backlog = self._backlog.get(peer)
+        if backlog is None:
+            backlog = self._backlog[peer] = []
+            self._spawn(self._send_after_dial(peer))
+        backlog.append(request)
+
+    async def _send_after_dial(self, peer: str) -> None:
+        """Send ``peer``'s backlog, in order, once its link is up (or fail it)."""
         try:
-            link = await self._connect(peer)
+            link: Link | None = await self._connect(peer)
+            error: Exception | None = None
         except Exception as exc:
-            undo(request.undo)
-            self._finish(request.call_id, error=exc)
-            return
-        if request.call_id in self._pending:
-            self._send_request(link, request)
-        else:
-            undo(request.undo)  # timed out while dialing: it never leaves
+            link, error = None, exc
+        for request in self._backlog.pop(peer, []):
+            if link is None:
+                undo(request.undo)
+                self._finish(request.call_id, error=error)
+            elif request.call_id in self._pending:
+                self._send_request(link, request)
+            else:
+                undo(request.undo)  # timed out while dialing: it never leaves
 
     async def _connect(self, peer: str) -> Link:
         link = self._links.get(peer)

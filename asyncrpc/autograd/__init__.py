@@ -88,7 +88,7 @@ def _agent() -> RpcAgent:
 
 async def _rref_backward(rref: RRef[torch.Tensor], context_id: ContextId) -> None:
     """RRef.backward, on the owner: backward from the RRef's scalar value."""
-    await backward(context_id, [rref.local_value()])
+    await backward(context_id, [RRef.local_value(rref)])
 
 
 set_backward(_rref_backward)

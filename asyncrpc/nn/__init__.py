@@ -28,12 +28,12 @@ def _build(
 async def _parameter_rrefs(
     module: RRef[torch.nn.Module], recurse: bool
 ) -> list[RRef[torch.Tensor]]:
-    built = await module.to_here()  # on the owner: the module itself, once built
+    built = await RRef.to_here(module)  # on the owner: the module itself, once built
     return [RRef(p) for p in built.parameters(recurse)]
 
 
 async def _set_training(module: RRef[torch.nn.Module], mode: bool) -> None:
-    (await module.to_here()).train(mode)
+    (await RRef.to_here(module)).train(mode)
 
 
 class RemoteModule:
@@ -56,12 +56,12 @@ class RemoteModule:
 
     def forward_async(self, *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
         """Run the module's forward on its worker; a future of the output."""
-        future: asyncio.Future[Any] = self.module_rref.rpc_async().__call__(*args, **kwargs)
+        future: asyncio.Future[Any] = RRef.rpc_async(self.module_rref).__call__(*args, **kwargs)
         return future
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The blocking form of :meth:`forward_async`, for threads other than the loop's."""
-        return self.module_rref.rpc_sync().__call__(*args, **kwargs)
+        return RRef.rpc_sync(self.module_rref).__call__(*args, **kwargs)
 
     async def remote_parameters(self, recurse: bool = True) -> list[RRef[torch.Tensor]]:
         """RRefs of the module's parameters (for ``DistributedOptimizer``)."""

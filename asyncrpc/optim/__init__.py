@@ -142,7 +142,7 @@ class _LocalOptimizer:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> None:
-        self.params = [p.local_value() for p in params]
+        self.params = [RRef.local_value(p) for p in params]
         self._step_with = _stepper(optimizer_class, self.params, args, kwargs)
 
     @async_execution
@@ -190,4 +190,6 @@ class DistributedOptimizer:
         """Step every owner's optimizer with the gradients of ``context_id`` (at once:
         the requests to other owners leave before this worker's own step, which may run
         on the loop right away)."""
-        await asyncio.gather(*(opt.rpc_async().step(context_id) for opt in self.local_optimizers))
+        await asyncio.gather(
+            *(RRef.rpc_async(opt).step(context_id) for opt in self.local_optimizers)
+        )

@@ -56,6 +56,10 @@ log = logging.getLogger("asyncrpc.rref")
 class RRefContext:
     """One worker's RRefs: the protocol state, the owned values, the messages in flight."""
 
+    # The class of the RRef handles workers of this process make (None: asyncrpc.RRef).
+    # A layer above (asyncrpc.compat) sets its subclass of RRef while it runs.
+    handle_type: type[Any] | None = None
+
     def __init__(self, agent: RpcAgent) -> None:
         self.agent = agent
         self.rank = agent.info.id

@@ -63,6 +63,10 @@ class RRef(Generic[T]):
     _owner: int
     _creation: asyncio.Future[Any] | None
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        register_reducer(cls, _reduce_rref)  # a subclass's handles travel as RRefs too
+
     def __init__(self, value: T) -> None:
         context = context_for(_agent())
         done = context.agent.loop.create_future()
@@ -371,14 +375,14 @@ def remote(
             if isinstance(func, _MethodCall)
             else agent.invoke(func, args or (), kwargs or {})
         )
-        return RRef._attach(context, context.create_local(made), owner)
+        return _handle_type(context)._attach(context, context.create_local(made), owner)
     with context._lock:
         rref, fork = context.state.create_remote(owner)
     try:
         creation = agent.rpc_async(
             owner,
             _create,
-            (rref, fork, func, args or (), kwargs or {}),
+            (_Registration(rref, fork), func, args or (), kwargs or {}),
             timeout=timeout,
             label=f"remote({function_name(func)})",
         )
@@ -387,7 +391,7 @@ def remote(
             del context.state.held[rref]  # nothing was sent, and no handle exists
         raise
     creation.add_done_callback(lambda done: _created(context, rref, done))
-    return RRef._attach(context, rref, owner, creation)
+    return _handle_type(context)._attach(context, rref, owner, creation)
 
 
 def _created(context: RRefContext, rref: RRefId, creation: asyncio.Future[Any]) -> None:
@@ -397,15 +401,40 @@ def _created(context: RRefContext, rref: RRefId, creation: asyncio.Future[Any]) 
     context.event(context.state.fork_confirmed, rref)
 
 
-@async_execution
-def _create(
-    rref: RRefId, fork: ForkId, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> asyncio.Future[None]:
-    """Owner side of ``remote()``: count the creator's fork, make the value; reply when
-    it is made (with nothing: the value stays here) or failed."""
-    context = context_for(_agent())
+class _Registration:
+    """``remote()``'s RRef and the creator's fork, in its request to the owner.  The
+    owner records them as this unpickles, in link order, before anything in the request
+    can hold the call back (``start_after``): a later ``to_here`` or method call on
+    the same link must find the RRef."""
+
+    __slots__ = ("fork", "rref")
+
+    def __init__(self, rref: RRefId, fork: ForkId) -> None:
+        self.rref, self.fork = rref, fork
+
+
+def _reduce_registration(registration: _Registration) -> Any:
+    return _register, (registration.rref, registration.fork)
+
+
+def _register(rref: RRefId, fork: ForkId) -> tuple[RRefId, bool]:
+    """On the owner, as the request unpickles: count the creator's fork; returns the
+    RRef's id and whether this is the first request to make it."""
+    context = _receiving_context()
     with context._lock:
         first = context.state.owner_create(rref, fork, rref[0])
+    context.value_of(rref)
+    return rref, first
+
+
+@async_execution
+def _create(
+    registered: tuple[RRefId, bool], func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> asyncio.Future[None]:
+    """Owner side of ``remote()`` (the RRef was registered as the request unpickled):
+    make the value; reply when it is made (with nothing: the value stays here) or failed."""
+    rref, first = registered
+    context = context_for(_agent())
     value = context.value_of(rref)
     if first:
         context.agent.invoke(func, args, kwargs).add_done_callback(
@@ -486,7 +515,12 @@ def _rebuild_rref(rref: RRefId, owner: int, fork: ForkId | None, parent: int) ->
         ) from None
     if owner == context.rank:  # a call given its owner's RRef starts once the value is made
         start_after(context.value_of(rref))  # (so local_value() works in it, as in torch)
-    return RRef._attach(context, rref, owner)
+    return _handle_type(context)._attach(context, rref, owner)
+
+
+def _handle_type(context: RRefContext) -> type[RRef[Any]]:
+    """The class of the handles this worker makes (a layer above may set a subclass)."""
+    return context.handle_type or RRef
 
 
 def _receiving_context() -> RRefContext:
@@ -505,3 +539,4 @@ def _agent() -> RpcAgent:
 
 register_reducer(RRef, _reduce_rref)
 register_reducer(_MethodCall, _reduce_method_call)
+register_reducer(_Registration, _reduce_registration)

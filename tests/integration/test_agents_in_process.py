@@ -394,3 +394,24 @@ async def test_a_call_with_timeout_minus_one_has_the_default_deadline() -> None:
     async with joined_agents("ab", options) as (a, _):
         with pytest.raises(RPCTimeoutError, match=r"after 0\.3s"):
             await a.rpc_async("b", wait_forever, timeout=-1)
+
+
+ARRIVALS: list[int] = []
+
+
+async def arrive(i: int) -> None:
+    ARRIVALS.append(i)
+
+
+async def test_a_call_made_as_the_link_comes_up_does_not_overtake_queued_ones(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    a, b = pair
+    ARRIVALS.clear()
+    first = a.rpc_async(b.info.name, arrive, (1,))  # no link yet: queued behind the dial
+    async with asyncio.timeout(10):
+        while b.info.name not in a._links:  # the link is up; `first` may not be sent yet
+            await asyncio.sleep(0)
+    second = a.rpc_async(b.info.name, arrive, (2,))
+    await asyncio.gather(first, second)
+    assert ARRIVALS == [1, 2]

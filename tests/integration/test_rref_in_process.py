@@ -295,3 +295,23 @@ async def test_a_call_given_an_rref_whose_making_failed_raises_that_error(
         rref = remote("b", operator.truediv, args=(1, 0))
         with pytest.raises(ZeroDivisionError):
             await a.rpc_async("b", read_local_value, args=(rref,))
+
+
+async def value_made_late(x: int) -> int:
+    await asyncio.sleep(0.05)  # the RRef's value is not made when the next request arrives
+    return x
+
+
+def plus_one(rref: RRef[int]) -> int:
+    return rref.local_value() + 1
+
+
+async def test_to_here_right_after_a_remote_that_waits_for_its_rref_arguments(
+    trio: tuple[RpcAgent, RpcAgent, RpcAgent],
+) -> None:
+    slow = remote("b", value_made_late, (41,))
+    later = remote("b", plus_one, (slow,))  # starts on b once `slow` is made there
+    assert await later.to_here() == 42  # b knows `later` although its call is held back
+    assert await later.rpc_async().__add__(1) == 43
+    del slow, later
+    assert await settled(trio) == [ZERO] * 3

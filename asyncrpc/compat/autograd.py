@@ -1,0 +1,121 @@
+"""``torch.distributed.autograd`` on asyncrpc: ``import asyncrpc.compat.autograd as dist_autograd``.
+
+Theory of operation
+-------------------
+``context()`` is a plain context manager yielding an int id.  It opens a native
+distributed autograd context and makes it current in the calling thread (the
+native context variable); compat calls started by this thread carry it (see
+:mod:`asyncrpc.compat._runtime`), so RPCs record and the callees' nested calls
+run in the same context, as in torch.  Leaving it releases the context
+everywhere, on the loop.  ``backward`` runs the native backward pass and blocks;
+``get_gradients`` reads this worker's gradients of a context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+
+import asyncrpc.autograd as native
+from asyncrpc.agent import RpcAgent, current_agent
+from asyncrpc.autograd.context import AutogradContext, contexts_of, current_context_id
+from asyncrpc.compat import _runtime
+from asyncrpc.compat._private import private_getattr
+from asyncrpc.errors import AgentStateError
+
+__all__ = ("backward", "context", "get_gradients")
+
+__getattr__ = private_getattr("torch.distributed.autograd")
+
+
+class context:  # noqa: N801  # torch's name
+    """``with dist_autograd.context() as context_id:`` a distributed autograd context
+    for this thread, released everywhere on leaving."""
+
+    def __init__(self) -> None:
+        self._token: Any = None
+        self._id: int | None = None
+
+    def __enter__(self) -> int:
+        agent = _agent()
+        if current_context_id.get() is not None:
+            raise RuntimeError(
+                "Already have an autograd context id for this thread "
+                f"({current_context_id.get()}); contexts do not nest"
+            )
+        opened = contexts_of(agent).new_context()
+        self._id = opened.id
+        self._token = current_context_id.set(opened.id)
+        return opened.id
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        current_context_id.reset(self._token)
+        contexts = contexts_of(_agent())
+        context_id = self._id
+        assert context_id is not None
+        _runtime.call(lambda: contexts.release_everywhere(context_id), "dist_autograd.context")
+
+
+def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False) -> None:
+    """Run the backward pass from the scalar ``roots`` across every worker involved;
+    gradients accumulate in the context (:func:`get_gradients`).  Blocks."""
+    _retrieve_context(context_id)
+    try:
+        _runtime.run(
+            lambda: native.backward(context_id, list(roots), retain_graph),
+            "dist_autograd.backward",
+        )
+    except RuntimeError:
+        raise
+    except Exception as exc:  # torch's engine reports every failure as a RuntimeError
+        raise RuntimeError(f"Error on Node {_node_of(exc)}: {exc}") from exc
+
+
+def _node_of(error: BaseException) -> int:
+    """The rank of the worker where ``error`` was raised (torch's "Node")."""
+    agent = _agent()
+    worker = getattr(error, "remote_worker", None)
+    return agent.info.id if worker is None else agent.resolve(worker).rank
+
+
+def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    """This worker's gradients in the context: ``{tensor: gradient}``."""
+    _retrieve_context(context_id)
+    return native.get_gradients(context_id)
+
+
+def _current_context() -> AutogradContext:
+    """This thread's current context (torch's private helper)."""
+    found = current_context_id.get()
+    if found is None:
+        raise RuntimeError("Current thread doesn't have a valid autograd context")
+    return _retrieve_context(found)
+
+
+def _retrieve_context(context_id: int) -> AutogradContext:
+    """The context of that id on this worker (torch's private helper)."""
+    found = contexts_of(_agent()).live.get(context_id)
+    if found is None:
+        raise RuntimeError(f"Could not find autograd context with id: {context_id}")
+    return found
+
+
+def _is_valid_context(context_id: int) -> bool:
+    """Whether this worker knows the context."""
+    return context_id in contexts_of(_agent()).live
+
+
+def _agent() -> RpcAgent:
+    _runtime.running()
+    agent = current_agent()
+    if agent is None:
+        raise AgentStateError("RPC has not been initialized: call `rpc.init_rpc(...)` first")
+    return agent

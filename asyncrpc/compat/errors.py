@@ -1,0 +1,72 @@
+"""Errors as torch.distributed.rpc raises them: asyncrpc's types, ``RuntimeError`` too.
+
+torch raises ``RuntimeError`` for a timeout, a lost or unknown worker and a misused
+RRef.  The compat layer raises the subclasses below, which are asyncrpc's own types
+(``except asyncrpc.RPCTimeoutError`` still works) with ``RuntimeError`` among their
+bases.  :func:`convert` turns a native error into its compat twin, keeping the
+message, the details, the remote traceback attributes and notes, and the cause.
+Remote exceptions of other types are re-raised as their own type, as torch does.
+"""
+
+from __future__ import annotations
+
+import asyncrpc.errors as native
+
+__all__ = (
+    "PeerLostError",
+    "RPCTimeoutError",
+    "RRefError",
+    "RemoteError",
+    "SerializationError",
+    "UnknownWorkerError",
+    "convert",
+)
+
+
+class RPCTimeoutError(native.RPCTimeoutError, RuntimeError):
+    """A call passed its deadline (torch: ``RuntimeError``)."""
+
+
+class PeerLostError(native.PeerLostError, RuntimeError):
+    """A worker was lost or could not be reached (torch: ``RuntimeError``)."""
+
+
+class UnknownWorkerError(native.UnknownWorkerError, RuntimeError):
+    """No worker of that name or rank (torch: ``RuntimeError``)."""
+
+
+class RRefError(native.RRefError, RuntimeError):
+    """An RRef used where it cannot be (torch: ``RuntimeError``)."""
+
+
+class RemoteError(native.RemoteError, RuntimeError):
+    """A remote exception that could not be rebuilt here (torch: ``RuntimeError``)."""
+
+
+class SerializationError(native.SerializationError, RuntimeError):
+    """A value that does not pickle, or a payload that does not unpickle."""
+
+
+_TWINS: dict[type[native.AsyncRPCError], type[native.AsyncRPCError]] = {
+    native.RPCTimeoutError: RPCTimeoutError,
+    native.PeerLostError: PeerLostError,
+    native.UnknownWorkerError: UnknownWorkerError,
+    native.RRefError: RRefError,
+    native.RemoteError: RemoteError,
+    native.SerializationError: SerializationError,
+}
+
+
+def convert(error: BaseException) -> BaseException:
+    """``error`` as the compat layer raises it: a native error of a type with a twin
+    above becomes that twin (same message, attributes, notes, cause and traceback);
+    anything else is returned as it is."""
+    twin = _TWINS.get(type(error)) if isinstance(error, native.AsyncRPCError) else None
+    if twin is None:
+        return error
+    assert isinstance(error, native.AsyncRPCError)  # for the type checker
+    converted = twin(str(error), **error.details)
+    converted.__dict__.update(error.__dict__)  # remote_worker, remote_traceback, __notes__
+    converted.__cause__ = error.__cause__
+    converted.__suppress_context__ = error.__suppress_context__
+    return converted.with_traceback(error.__traceback__)

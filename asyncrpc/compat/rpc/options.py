@@ -1,0 +1,62 @@
+"""torch.distributed.rpc.options: backend options, with torch's names and defaults.
+
+asyncrpc has one backend; ``TensorPipeRpcBackendOptions`` is accepted so that torch
+programs run unchanged.  ``init_method``, ``rpc_timeout`` and ``num_worker_threads``
+are used; TensorPipe's ``device_maps``, ``devices`` and ``_transports`` /
+``_channels`` are accepted, and a non-empty device map is refused at ``init_rpc``
+(asyncrpc has no device maps).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncrpc.compat.rpc.constants import (
+    DEFAULT_INIT_METHOD,
+    DEFAULT_NUM_WORKER_THREADS,
+    DEFAULT_RPC_TIMEOUT_SEC,
+)
+
+__all__ = ("RpcBackendOptions", "TensorPipeRpcBackendOptions")
+
+
+class RpcBackendOptions:
+    """What every backend takes: the rendezvous and the default call timeout."""
+
+    def __init__(
+        self,
+        rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
+        init_method: str = DEFAULT_INIT_METHOD,
+    ) -> None:
+        self.rpc_timeout = float(rpc_timeout)
+        self.init_method = init_method
+
+
+class TensorPipeRpcBackendOptions(RpcBackendOptions):
+    """torch's TensorPipe options; ``num_worker_threads`` sizes the callee's pool."""
+
+    def __init__(
+        self,
+        *,
+        num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
+        rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
+        init_method: str = DEFAULT_INIT_METHOD,
+        device_maps: dict[Any, dict[Any, Any]] | None = None,
+        devices: list[Any] | None = None,
+        _transports: list[str] | None = None,
+        _channels: list[str] | None = None,
+    ) -> None:
+        super().__init__(rpc_timeout, init_method)
+        self.num_worker_threads = num_worker_threads
+        self.device_maps: dict[Any, dict[Any, Any]] = dict(device_maps or {})
+        self.devices: list[Any] = list(devices or [])
+        self._transports = _transports
+        self._channels = _channels
+
+    def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:
+        """Recorded for compatibility; ``init_rpc`` refuses device maps."""
+        self.device_maps.setdefault(to, {}).update(device_map)
+
+    def set_devices(self, devices: list[Any]) -> None:
+        """Recorded for compatibility."""
+        self.devices = list(devices)

@@ -1,0 +1,188 @@
+"""torch's ``RRef`` and ``WorkerInfo`` over asyncrpc's, with blocking methods.
+
+Theory of operation
+-------------------
+:class:`RRef` subclasses :class:`asyncrpc.RRef`, so the native reference
+counting, pickling and owner-side handling apply unchanged; only the methods a
+user calls differ: they block (``to_here``, ``rpc_sync()``) or return
+``torch.futures.Future`` (``rpc_async()``) instead of awaitables, through
+:mod:`asyncrpc.compat._runtime`.  While compat runs, every handle this process
+makes (by ``remote()``, by receiving one in a message) is of this class
+(``RRefContext.handle_type``), so RRefs arriving in arguments are torch-style too.
+Native code that receives such a handle calls the base class's methods
+explicitly (``asyncrpc.RRef.to_here(handle)``).
+
+:class:`WorkerInfo` subclasses asyncrpc's with torch's constructor order
+``WorkerInfo(name, worker_id)``; it equals and hashes like any WorkerInfo of the
+same worker, and pickles.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import asyncrpc.api as native_api
+from asyncrpc.agent import WorkerInfo as NativeWorkerInfo
+from asyncrpc.agent import validate_name
+from asyncrpc.compat import _runtime
+from asyncrpc.compat.errors import SerializationError, convert
+from asyncrpc.compat.rpc.constants import UNSET_RPC_TIMEOUT
+from asyncrpc.rref import RRef as NativeRRef
+
+__all__ = ("RRef", "WorkerInfo", "worker_info")
+
+T = TypeVar("T")
+
+
+class WorkerInfo(NativeWorkerInfo):
+    """A worker: ``name`` and ``id`` (its rank).  ``WorkerInfo(name, worker_id)``."""
+
+    __slots__ = ()
+
+    def __init__(self, name: str, worker_id: int) -> None:
+        try:
+            validate_name(name)
+        except ValueError as exc:
+            raise RuntimeError(str(exc)) from None
+        if not isinstance(worker_id, int) or worker_id < 0:
+            raise RuntimeError(f"worker id must be a non-negative integer, not {worker_id!r}")
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "id", worker_id)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, NativeWorkerInfo):
+            return NotImplemented
+        return (self.id, self.name) == (other.id, other.name)
+
+    def __hash__(self) -> int:
+        return hash((self.id, self.name))
+
+    def __reduce__(self) -> Any:
+        return WorkerInfo, (self.name, self.id)
+
+    def __repr__(self) -> str:
+        return f"WorkerInfo(id={self.id}, name={self.name})"
+
+
+def worker_info(info: NativeWorkerInfo) -> WorkerInfo:
+    """The compat WorkerInfo of a native one."""
+    return info if isinstance(info, WorkerInfo) else WorkerInfo(info.name, info.id)
+
+
+class RRef(NativeRRef[T]):
+    """A reference to a value on its owner, with torch's blocking methods.
+
+    ``RRef(value)`` makes this worker the owner of ``value``.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, value: T, type_hint: Any = None) -> None:
+        _runtime.call(lambda: NativeRRef.__init__(self, value), "RRef()")
+
+    def __reduce__(self) -> Any:
+        raise SerializationError(
+            f"Can not pickle rref in python pickler, rref can only be pickled when using RPC "
+            f"({self!r} pickles only into asyncrpc calls)"
+        )
+
+    def owner(self) -> WorkerInfo:
+        """The owner's WorkerInfo."""
+        return worker_info(super().owner())
+
+    def local_value(self) -> T:
+        """The value itself, on the owner (waiting for it to be made, as torch does,
+        except on the event loop thread); elsewhere ``RuntimeError``."""
+        if self.is_owner() and _runtime.is_running() and not _runtime.running().on_loop_thread():
+            return _runtime.run(lambda: NativeRRef.to_here(self), "RRef.local_value()")
+        try:
+            return super().local_value()
+        except Exception as exc:
+            raise convert(exc) from None
+
+    def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> T:  # type: ignore[override]  # torch's blocking form
+        """A copy of the value (the value itself on the owner); blocks."""
+        seconds = _runtime.value_or_none(timeout)
+        return _runtime.run(lambda: NativeRRef.to_here(self, seconds), f"{self!r}.to_here()")
+
+    def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:  # type: ignore[override]  # torch's blocking form
+        """``rref.rpc_sync().method(*a, **kw)``: run the method on the owner; blocks."""
+        return _Proxy(self, "rpc_sync", _runtime.value_or_none(timeout))
+
+    def rpc_async(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:  # type: ignore[override]  # torch's blocking form
+        """``rref.rpc_async().method(*a, **kw)``: a ``torch.futures.Future`` of the result."""
+        return _Proxy(self, "rpc_async", _runtime.value_or_none(timeout))
+
+    def remote(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:  # type: ignore[override]  # torch's blocking form
+        """``rref.remote().method(*a, **kw)``: an RRef, on the owner, of the result."""
+        return _Proxy(self, "remote", _runtime.value_or_none(timeout))
+
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:  # type: ignore[override]  # torch's blocking form
+        """Backward pass from the RRef's scalar value: distributed, in context
+        ``dist_autograd_ctx_id``; or, with ``-1``, local autograd on the owner."""
+        if dist_autograd_ctx_id == -1:
+            if self.is_owner():
+                _local_backward(self, retain_graph)
+            else:
+                _runtime.run(
+                    lambda: native_api.rpc_async(
+                        self._owner, _local_backward, (self, retain_graph)
+                    ),
+                    f"{self!r}.backward()",
+                )
+            return
+        context_id = dist_autograd_ctx_id
+        from asyncrpc.compat.autograd import _retrieve_context  # noqa: PLC0415  # imports us
+
+        _retrieve_context(context_id)  # torch's error for an unknown context, before sending
+        _runtime.run(
+            lambda: NativeRRef.backward(self, context_id, retain_graph), f"{self!r}.backward()"
+        )
+
+    def _get_type(self, timeout: float = UNSET_RPC_TIMEOUT, blocking: bool = True) -> Any:
+        """The type of the value (torch's private helper); a future if not ``blocking``."""
+        if self.is_owner():
+            future = _runtime.done_future(type(self.local_value()))
+        else:
+            seconds = _runtime.value_or_none(timeout)
+            future = _runtime.start_torch_future(
+                lambda: native_api.rpc_async(self._owner, _value_type, (self,), timeout=seconds),
+                f"{self!r}._get_type()",
+            )
+        return future.wait() if blocking else future
+
+
+def _local_backward(rref: NativeRRef[Any], retain_graph: bool) -> None:
+    """On the owner: local autograd from the RRef's scalar value (``.grad`` accumulates)."""
+    NativeRRef.local_value(rref).backward(retain_graph=retain_graph)
+
+
+async def _value_type(rref: NativeRRef[Any]) -> type:
+    """On the owner: the type of the RRef's value, once made."""
+    return type(await NativeRRef.to_here(rref))
+
+
+class _Proxy:
+    """What ``rref.rpc_sync()`` and friends return: attribute access picks the method."""
+
+    __slots__ = ("_kind", "_rref", "_timeout")
+
+    def __init__(self, rref: RRef[Any], kind: str, timeout: float | None) -> None:
+        self._rref, self._kind, self._timeout = rref, kind, timeout
+
+    def __getattr__(self, method: str) -> Any:
+        rref, kind, timeout = self._rref, self._kind, self._timeout
+        what = f"{rref!r}.{kind}().{method}"
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if kind == "remote":
+                proxy = NativeRRef.remote(rref, timeout)
+                return _runtime.call(lambda: getattr(proxy, method)(*args, **kwargs), what)
+            native = NativeRRef.rpc_async(rref, timeout)
+            start = lambda: getattr(native, method)(*args, **kwargs)  # noqa: E731
+            if kind == "rpc_async":
+                return _runtime.start_torch_future(start, what)
+            return _runtime.run(start, what)
+
+        call.__name__ = method
+        return call

@@ -1,0 +1,178 @@
+"""torch's RPC test suites (rpc_test, dist_autograd_test, dist_optimizer_test, examples)
+against asyncrpc.compat; see tests/compat/torch_suite.py and docs/compat.md.
+
+By default a quick subset runs (``make test``); ``ASYNCRPC_COMPAT_FULL=1`` runs every
+in-scope test (``make compat``).  Out-of-scope tests and known failures are skipped
+with their reason.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "120")  # per test, all ranks
+
+from tests.compat import torch_suite  # installs compat as torch.distributed.rpc
+
+# The quick subset: the public API's main paths, a few seconds each.
+QUICK: dict[str, set[str]] = {
+    "RpcTest": {
+        "test_add",
+        "test_nested_rpc",
+        "test_py_raise_in_user_func",
+        "test_rpc_timeouts",
+        "test_remote_with_exception",
+        "test_rref_forward_chain",
+        "test_return_future",
+        "test_async_function_simple",
+        "test_wait_all",
+        "test_worker_info_pickle",
+        "test_rref_proxy_class",
+        "test_graceful_shutdown_with_uneven_workload",
+        "test_multi_rpc",
+        "test_self_add",
+        "test_py_rref_args",
+        "test_nested_rref",
+        "test_callback_simple",
+        "test_wait_all_with_exception",
+        "test_rref_proxy_tensor",
+    },
+    "DistAutogradTest": {
+        "test_backward_simple",
+        "test_nested_context",
+        "test_backward_rref",
+        "test_trainer_ps",
+        "test_backward_multiple_round_trips",
+    },
+    "ReinforcementLearningRpcTest": {"test_rl_rpc"},
+    "DistOptimizerTest": {"test_dist_optim"},
+    "ParameterServerTest": {"test_batch_updating_parameter_server"},
+}
+
+# Tests in scope that fail under compat (one reason a line, however long):
+# ruff: noqa: E501
+# "Suite.test" -> why (docs/compat.md).
+KNOWN_FAILURES: dict[str, str] = {
+    "DistAutogradTest.test_backward_invalid_args": (
+        "message: torch's pybind TypeError ('incompatible function arguments') for roots=None"
+    ),
+    "DistAutogradTest.test_backward_rref_nested": (
+        "to investigate: gradients of an RRef's backward through a nested call differ from the local ones"
+    ),
+    "DistAutogradTest.test_backward_unused_send_function": (
+        "semantics: torch's backward waits for a send function that no gradient reaches; asyncrpc's returns"
+    ),
+    "DistAutogradTest.test_no_grad_copy": (
+        "torch internals: checks that gradients are not copied (tensor identity); asyncrpc accumulates copies"
+    ),
+    "DistAutogradTest.test_no_grad_copy_sparse": ("torch internals: as test_no_grad_copy"),
+    "DistOptimizerTest.test_dist_optim_exception_on_constructor": (
+        "semantics: torch's constructor waits for the remote optimizers and raises their error; asyncrpc's (remote()) raises it at the first step"
+    ),
+    "RpcTest.test_custom_exception_throw_during_reconstruction": (
+        "message: an exception that cannot be rebuilt arrives as RemoteError (a RuntimeError) with asyncrpc's message"
+    ),
+    "RpcTest.test_duplicate_name_2": (
+        "type: a duplicate name is asyncrpc's ValueError ('used by ranks'), torch's RuntimeError ('is not unique')"
+    ),
+    "RpcTest.test_function_not_on_callee": (
+        "message: asyncrpc's SerializationError text, not torch's 'RPC pickler does not serialize'"
+    ),
+    "RpcTest.test_invalid_names": (
+        "message: asyncrpc's name rule and text (torch: 'Worker name must match', 'shorter than 128')"
+    ),
+    "RpcTest.test_local_value_not_on_owner": ("message: torch's text names UserRRef/fork ids"),
+    "RpcTest.test_non_cont_tensors": (
+        "semantics: a view with gaps travels as a contiguous copy of its own elements; torch keeps its strides"
+    ),
+    "RpcTest.test_owner_rref_backward": (
+        "test setup: uses RRef(...) over values compat handles differently (to investigate)"
+    ),
+    "RpcTest.test_py_nested_pickle": (
+        "torch internals: PythonUDF (in a module-level helper, so the classifier misses it)"
+    ),
+    "RpcTest.test_py_raise_in_user_func": (
+        "semantics: torch logs a user function's exception on the callee's stderr; asyncrpc does not"
+    ),
+    "RpcTest.test_rref_proxy_non_exist": (
+        "semantics: torch checks the method on the value's type before rref.remote().m(); asyncrpc raises at the RRef's first use"
+    ),
+    "RpcTest.test_rref_str": (
+        "format: repr(RRef) is asyncrpc's, not torch's OwnerRRef(GloballyUniqueId(...))"
+    ),
+    "RpcTest.test_use_rref_after_shutdown": (
+        "message: torch's 'Cannot call to_here() on it after deletion'"
+    ),
+    "RpcTest.test_user_rref_backward": (
+        "to investigate: local-autograd backward of a user RRef (a worker exits early)"
+    ),
+    "RpcTest.test_user_rrefs_confirmed": (
+        "semantics: torch runs a function only once the RRef forks in its arguments are confirmed; asyncrpc runs it at once (confirmation follows)"
+    ),
+    "RpcTest.test_user_rrefs_confirmed_remote": ("semantics: as test_user_rrefs_confirmed"),
+    "RpcTest.test_wait_all_exit_early_builtin": (
+        "torch.futures: wait_all exits early only for futures failed in C++ (TensorPipe's); an exception set from Python, as compat's futures are, is seen once all are done"
+    ),
+    "RpcTest.test_wait_all_exit_early_python": (
+        "torch.futures: as test_wait_all_exit_early_builtin"
+    ),
+    "RpcTest.test_worker_id": ("message: torch's 'could not find destination'"),
+    "RpcTest.test_wrong_types": (
+        "validation order: init_rpc rendezvouses before it checks backend and option types"
+    ),
+    "TensorPipeAgentDistAutogradTest.test_backward_different_dtypes_sparse": (
+        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
+    ),
+    "TensorPipeAgentDistAutogradTest.test_backward_multiple_round_trips_sparse": (
+        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
+    ),
+    "TensorPipeAgentDistAutogradTest.test_backward_rref_multi_sparse": (
+        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
+    ),
+    "TensorPipeAgentDistAutogradTest.test_backward_rref_nested_sparse": (
+        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
+    ),
+    "TensorPipeAgentDistAutogradTest.test_backward_rref_sparse": (
+        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
+    ),
+    "TensorPipeAgentDistAutogradTest.test_backward_simple_python_udf_sparse": (
+        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
+    ),
+    "TensorPipeAgentDistAutogradTest.test_backward_simple_self_sparse": (
+        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
+    ),
+    "TensorPipeAgentDistAutogradTest.test_backward_simple_sparse": (
+        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
+    ),
+    "TensorPipeAgentDistAutogradTest.test_backwards_nested_python_udf_sparse": (
+        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
+    ),
+    "TensorPipeAgentDistAutogradTest.test_mixed_requires_grad_sparse": (
+        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
+    ),
+    "TensorPipeAgentDistAutogradTest.test_trainer_ps_sparse": (
+        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
+    ),
+    "TensorPipeAgentRpcTest.test_dynamic_and_static_init_rpc_together": (
+        "dynamic membership (no world_size) is not supported"
+    ),
+    "TensorPipeAgentRpcTest.test_dynamic_rpc_existing_rank_can_communicate_with_new_rank": (
+        "dynamic membership is not supported"
+    ),
+    "TensorPipeAgentRpcTest.test_dynamic_rpc_init_rpc": ("dynamic membership is not supported"),
+    "TensorPipeAgentRpcTest.test_dynamic_rpc_init_rpc_without_rank": (
+        "dynamic membership is not supported"
+    ),
+    "TensorPipeAgentRpcTest.test_dynamic_rpc_new_rank_can_communicated_with_existing_rank": (
+        "dynamic membership is not supported"
+    ),
+    "TensorPipeAgentRpcTest.test_op_with_invalid_args": (
+        "type: a builtin's TypeError is re-raised as itself; torch raises RuntimeError ('failed to match any schema')"
+    ),
+    "TensorPipeAgentRpcTest.test_tensorpipe_options_throw_on_timedelta_timeout": (
+        "TensorPipe options: torch's C++ options refuse a timedelta rpc_timeout"
+    ),
+}
+
+_full = os.environ.get("ASYNCRPC_COMPAT_FULL") == "1"
+globals().update(torch_suite.generate(__name__, None if _full else QUICK, KNOWN_FAILURES))
