@@ -15,21 +15,6 @@ import pytest
 from tests.cluster import ROOT
 
 pytestmark = pytest.mark.timeout(240)
-KINDS = (
-    "noop",
-    "coro_noop",
-    "tensor_inline",
-    "tensor_shm",
-    "rref_method",
-    "rref_to_here",
-    "rref_fork",
-    "rref_local",
-    "autograd_forward",
-    "autograd_backward",
-    "optimizer_step",
-    "remote_error",
-    "timeout",
-)
 
 
 def test_short_soak_loses_no_call_and_every_worker_exits_0(tmp_path: Path) -> None:
@@ -69,6 +54,10 @@ def load_soak() -> ModuleType:
     sys.modules.setdefault("soak", module)  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+KINDS = load_soak().REQUIRED_KINDS
+"""Every kind of call a soak worker makes: each stream must have issued some."""
 
 
 def clean_report() -> dict[str, Any]:
