@@ -14,8 +14,8 @@ context: nested calls record too, and so do results sent back by calls that
 carried no tensor (``to_here``, say).
 
 Recording does not depend on how a tensor travels: the record wraps serde's own
-reduction (strided tensors), or, for a tensor serde leaves to torch's pickling
-(sparse layouts, devices other than cpu and cuda), torch's reduction of it
+reduction (strided and sparse tensors), or, for a tensor serde leaves to torch's
+pickling (on a device other than cpu and cuda, say), torch's reduction of it
 without its graph, and the receiver makes it a leaf that requires grad.  Gradients come
 back in whatever layout the receiver's engine gives (a sparse tensor's are
 usually sparse; so are an embedding table's with ``sparse=True``), and adding
