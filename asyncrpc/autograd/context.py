@@ -13,6 +13,14 @@ while it is current (``agent.propagate``), so the callee runs inside the same
 context: nested calls record too, and so do results sent back by calls that
 carried no tensor (``to_here``, say).
 
+Recording does not depend on how a tensor travels: the record wraps serde's own
+reduction (strided and sparse tensors), or, for a tensor serde leaves to torch's
+pickling (on a device other than cpu and cuda, say), torch's reduction of it
+without its graph, and the receiver makes it a leaf that requires grad.  Gradients come
+back in whatever layout the receiver's engine gives (a sparse tensor's are
+usually sparse; so are an embedding table's with ``sparse=True``), and adding
+two of them follows torch's AccumulateGrad (dense + sparse, not the reverse).
+
 So a worker's part of the distributed graph is its local autograd graph, whose
 leaves are its parameters and its recvs, and whose entry points for gradients
 coming back are its sends.  The backward pass (:mod:`asyncrpc.autograd.engine`)
@@ -33,7 +41,9 @@ from __future__ import annotations
 import contextvars
 import itertools
 import logging
+import pickle
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,7 +92,15 @@ class AutogradContext:
     def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor) -> None:
         with self.lock:
             known = self.grads.get(leaf)
-            self.grads[leaf] = grad if known is None else known + grad
+            self.grads[leaf] = grad if known is None else add_gradients(known, grad)
+
+
+def add_gradients(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """``first + second``, two gradients of one tensor in any layouts: torch adds a sparse
+    gradient to a dense one only in the order dense + sparse (its AccumulateGrad swaps)."""
+    if first.layout is not torch.strided and second.layout is torch.strided:
+        return second + first
+    return first + second
 
 
 class AutogradContexts:
@@ -191,27 +209,34 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
     default = reduce_tensor(tensor)
     if not tensor.requires_grad or context_id is None or transfer is None:
         return default
-    if default is NotImplemented:
-        return default
+    rebuild, args = _reduced_by_torch(tensor) if default is NotImplemented else default
     contexts = contexts_of(transfer.agent)
     context = contexts.get_or_create(context_id)
     send_id = contexts.new_send_id()
     with context.lock:
         context.sends[send_id] = tensor
         context.peers.add(transfer.peer_rank)
-    rebuild, args = default
     return _received, (context_id, send_id, contexts.rank, rebuild, args)
+
+
+def _reduced_by_torch(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
+    """torch's own reduction of ``tensor`` without its graph, for a tensor that serde
+    leaves to torch's pickling (on a device other than cpu or cuda, say): recorded all
+    the same, it arrives as a leaf that :func:`_received` makes require grad."""
+    reduce_ex: Callable[[int], tuple[Any, ...]] = tensor.detach().__reduce_ex__
+    rebuild, args = reduce_ex(pickle.HIGHEST_PROTOCOL)[:2]
+    return rebuild, args
 
 
 def _received(
     context_id: ContextId, send_id: SendId, sender: int, rebuild: Any, args: tuple[Any, ...]
 ) -> torch.Tensor:
     tensor: torch.Tensor = rebuild(*args)
+    if tensor.grad_fn is not None or not tensor.requires_grad:  # torch's rebuild, say
+        tensor = tensor.detach().requires_grad_()
     transfer = current_transfer()
     if transfer is None:  # unpickled outside a message: just the tensor
         return tensor
-    if not tensor.is_leaf:  # pragma: no cover - load_tensor always builds a leaf
-        tensor = tensor.detach().requires_grad_()
     context = contexts_of(transfer.agent).get_or_create(context_id)
     with context.lock:
         context.recvs[id(tensor)] = Recv(tensor, sender, send_id)

@@ -40,7 +40,13 @@ from typing import Any
 import torch
 
 from asyncrpc.agent import RpcAgent, async_execution, current_agent
-from asyncrpc.autograd.context import AutogradContext, ContextId, SendId, contexts_of
+from asyncrpc.autograd.context import (
+    AutogradContext,
+    ContextId,
+    SendId,
+    add_gradients,
+    contexts_of,
+)
 from asyncrpc.errors import AgentStateError
 
 # torch.autograd.grad's own way into the engine (see _grad); None if a torch moves it.
@@ -98,7 +104,7 @@ async def _pass_on(agent: RpcAgent, context: AutogradContext, outgoing: dict[int
     back: dict[SendId, torch.Tensor] = {}
     for grads in await asyncio.gather(*calls):
         for send_id, grad in grads:
-            back[send_id] = back[send_id] + grad if send_id in back else grad
+            back[send_id] = add_gradients(back[send_id], grad) if send_id in back else grad
     if back:
         await run_backward(agent, context, [(context.sends[i], g) for i, g in back.items()])
 

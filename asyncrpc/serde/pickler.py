@@ -26,7 +26,8 @@ hands out the tensor's own byte view, which :func:`reduce_tensor` registered und
 the PickleBuffer it wrapped.  A PickleBuffer it does not know (another library's
 ``__reduce_ex__``) is written into the stream: the receiver could not read it
 from tensor storage anyway.  numpy arrays take the tensor path
-(:mod:`asyncrpc.serde.arrays`).
+(:mod:`asyncrpc.serde.arrays`), and sparse tensors travel as their strided parts
+(:mod:`asyncrpc.serde.sparse`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import torch
 
 from asyncrpc.errors import AsyncRPCError, SerializationError
 from asyncrpc.serde.arrays import reduce_ndarray
+from asyncrpc.serde.sparse import dump_sparse, load_sparse
 from asyncrpc.serde.tensors import dump_tensor, load_tensor
 
 _REDUCERS: dict[type, Callable[[Any], Any]] = {}
@@ -57,15 +59,24 @@ def register_reducer(cls: type, reducer: Callable[[Any], Any]) -> None:
 
 
 def reduce_tensor(obj: Any) -> Any:
-    """The out-of-band reduction of a plain tensor (else ``NotImplemented``): for reducers
-    registered for tensor types that fall back to the usual form."""
+    """The out-of-band reduction of a plain tensor, strided or sparse (else
+    ``NotImplemented``): for reducers registered for tensor types that fall back to the
+    usual form."""
     if not isinstance(obj, torch.Tensor):
         return NotImplemented
     dumped = dump_tensor(obj)
     if dumped is None:
-        return NotImplemented
+        return _reduce_sparse(obj)
     meta, view = dumped
     return load_tensor, (meta, _out_of_band(view))
+
+
+def _reduce_sparse(tensor: torch.Tensor) -> Any:
+    """A sparse tensor as its strided parts, which the pickler reduces in turn."""
+    dumped = dump_sparse(tensor)
+    if dumped is None:
+        return NotImplemented
+    return load_sparse, dumped
 
 
 def _out_of_band(view: memoryview) -> pickle.PickleBuffer:

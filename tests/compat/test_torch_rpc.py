@@ -120,38 +120,8 @@ KNOWN_FAILURES: dict[str, str] = {
     "RpcTest.test_wrong_types": (
         "validation order: init_rpc rendezvouses before it checks backend and option types"
     ),
-    "TensorPipeAgentDistAutogradTest.test_backward_different_dtypes_sparse": (
-        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
-    ),
-    "TensorPipeAgentDistAutogradTest.test_backward_multiple_round_trips_sparse": (
-        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
-    ),
-    "TensorPipeAgentDistAutogradTest.test_backward_rref_multi_sparse": (
-        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
-    ),
     "TensorPipeAgentDistAutogradTest.test_backward_rref_nested_sparse": (
-        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
-    ),
-    "TensorPipeAgentDistAutogradTest.test_backward_rref_sparse": (
-        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
-    ),
-    "TensorPipeAgentDistAutogradTest.test_backward_simple_python_udf_sparse": (
-        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
-    ),
-    "TensorPipeAgentDistAutogradTest.test_backward_simple_self_sparse": (
-        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
-    ),
-    "TensorPipeAgentDistAutogradTest.test_backward_simple_sparse": (
-        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
-    ),
-    "TensorPipeAgentDistAutogradTest.test_backwards_nested_python_udf_sparse": (
-        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
-    ),
-    "TensorPipeAgentDistAutogradTest.test_mixed_requires_grad_sparse": (
-        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
-    ),
-    "TensorPipeAgentDistAutogradTest.test_trainer_ps_sparse": (
-        "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
+        "as test_backward_rref_nested: a remote()'s function runs on its owner outside the caller's autograd context (agent Inbound.invoke runs it in a copy of the agent's base context, not the request's), so the nested rpc_sync it makes is not recorded and the caller's t2 gets no gradient"
     ),
     "TensorPipeAgentRpcTest.test_dynamic_and_static_init_rpc_together": (
         "dynamic membership (no world_size) is not supported"

@@ -374,3 +374,180 @@ def _opened_by(agent: RpcAgent) -> Any:
 async def _until(condition: Callable[[], bool]) -> None:
     while not condition():
         await asyncio.sleep(0.01)
+
+
+# -- sparse tensors: recorded as strided ones are, their gradients as torch gives them --
+
+TO_SPARSE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "coo": torch.Tensor.to_sparse,
+    "csr": torch.Tensor.to_sparse_csr,
+}
+sparse_layouts = pytest.mark.parametrize("layout", sorted(TO_SPARSE))
+
+
+def sparse_leaf(layout: str, seed: int) -> torch.Tensor:
+    """A 3x4 sparse leaf that requires grad, about half of its entries stored."""
+    dense = weights(3, 4, seed=seed).detach()
+    dense[dense.abs() < 0.7] = 0
+    return TO_SPARSE[layout](dense).requires_grad_()
+
+
+W_S = weights(4, 3, seed=20)  # multiplies sparse inputs (on b, or c)
+S_B = {layout: sparse_leaf(layout, seed=21) for layout in TO_SPARSE}  # sparse, "on b"
+
+
+def sparse_stage(h: torch.Tensor) -> torch.Tensor:
+    """Sparse ``h`` in, dense out."""
+    return torch.tanh(torch.sparse.mm(h, W_S))
+
+
+def scaled(h: torch.Tensor, scale: float) -> torch.Tensor:
+    """Sparse ``h`` in, sparse out."""
+    return h * scale
+
+
+def sparse_of_b(layout: str) -> torch.Tensor:
+    """A sparse result computed from b's sparse leaf."""
+    return S_B[layout] * 3
+
+
+def sparse_loss(h: torch.Tensor) -> torch.Tensor:
+    return sparse_stage(h).pow(2).sum()
+
+
+async def sparse_via_c(h: torch.Tensor) -> torch.Tensor:
+    """On b: sends a sparse tensor it received (scaled) on to c, inside the forward pass."""
+    from asyncrpc.agent import current_agent
+
+    agent = current_agent()
+    assert agent is not None
+    return await agent.rpc_async("c", sparse_stage, (h * 2,)) * 2
+
+
+async def sparse_stage_of_rref(value: RRef[torch.Tensor]) -> torch.Tensor:
+    """On c: fetches a sparse value held by its owner, inside the forward pass."""
+    return sparse_stage(await value.to_here())
+
+
+def same_gradient(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Of the layout torch's local backward gives, and equal to it."""
+    return got.layout == want.layout and close(got.to_dense(), want.to_dense())
+
+
+@sparse_layouts
+async def test_sparse_argument_gets_its_gradient(trio: Agents, layout: str) -> None:
+    a, b, _ = trio
+    s = sparse_leaf(layout, seed=22)
+    async with autograd.context() as ctx:
+        y = await a.rpc_async("b", sparse_stage, (s * 2,))  # a sparse tensor with a graph
+        z = await a.rpc_async("b", sparse_stage, (s,))  # the sparse leaf itself
+        await autograd.backward(ctx, [(y * z).sum()])
+        got_s, got_w = autograd.get_gradients(ctx)[s], grads_on(b, ctx)[W_S]
+
+    def local() -> torch.Tensor:
+        return (sparse_stage(s * 2) * sparse_stage(s)).sum()
+
+    want_s, want_w = local_grads(local, [s, W_S])
+    assert want_s.layout == s.layout  # (the local gradient is sparse itself)
+    assert same_gradient(got_s, want_s) and close(got_w, want_w)
+    assert (await contexts_everywhere(trio)) == [0, 0, 0]
+
+
+@sparse_layouts
+async def test_sparse_result_gets_its_gradient(trio: Agents, layout: str) -> None:
+    a, b, _ = trio
+    w_a = weights(4, 2, seed=23)
+    async with autograd.context() as ctx:
+        y = await a.rpc_async("b", sparse_of_b, (layout,))
+        assert y.layout == S_B[layout].layout and y.requires_grad and y.is_leaf
+        await autograd.backward(ctx, [torch.sparse.mm(y, w_a).pow(2).sum()])
+        got_w, got_s = autograd.get_gradients(ctx)[w_a], grads_on(b, ctx)[S_B[layout]]
+    want_w, want_s = local_grads(
+        lambda: torch.sparse.mm(sparse_of_b(layout), w_a).pow(2).sum(), [w_a, S_B[layout]]
+    )
+    assert close(got_w, want_w) and same_gradient(got_s, want_s)
+
+
+@sparse_layouts
+async def test_sparse_value_of_an_rref(trio: Agents, layout: str) -> None:
+    s, w_a = sparse_leaf(layout, seed=24), weights(4, 2, seed=25)
+    async with autograd.context() as ctx:
+        value = remote("b", scaled, (s, 3.0))
+        y = await value.to_here()  # a sparse result of a call that carried no tensor
+        await autograd.backward(ctx, [torch.sparse.mm(y, w_a).pow(2).sum()])
+        got = [autograd.get_gradients(ctx)[t] for t in (s, w_a)]
+    want = local_grads(lambda: torch.sparse.mm(scaled(s, 3.0), w_a).pow(2).sum(), [s, w_a])
+    assert same_gradient(got[0], want[0]) and close(got[1], want[1])
+
+
+@sparse_layouts
+async def test_rref_backward_from_a_sparse_argument(trio: Agents, layout: str) -> None:
+    b = trio[1]
+    s = sparse_leaf(layout, seed=26)
+    async with autograd.context() as ctx:
+        loss = remote("b", sparse_loss, (s * 2,))
+        await loss.to_here()
+        await loss.backward(ctx)
+        got_s, got_w = autograd.get_gradients(ctx)[s], grads_on(b, ctx)[W_S]
+    want_s, want_w = local_grads(lambda: sparse_loss(s * 2), [s, W_S])
+    assert same_gradient(got_s, want_s) and close(got_w, want_w)
+
+
+@sparse_layouts
+async def test_sparse_through_nested_calls(trio: Agents, layout: str) -> None:
+    a, _, c = trio
+    s = sparse_leaf(layout, seed=27)
+    async with autograd.context() as ctx:
+        y = await a.rpc_async("b", sparse_via_c, (s * 1.5,))  # b sends it on to c
+        value = remote("b", scaled, (s, 3.0))  # b holds a sparse value, which c fetches
+        z = await a.rpc_async("c", sparse_stage_of_rref, (value,))
+        await autograd.backward(ctx, [(y * z).sum()])
+        got_s, got_w = autograd.get_gradients(ctx)[s], grads_on(c, ctx)[W_S]
+
+    def local() -> torch.Tensor:
+        return (sparse_stage(s * 1.5 * 2) * 2 * sparse_stage(scaled(s, 3.0))).sum()
+
+    want_s, want_w = local_grads(local, [s, W_S])
+    assert same_gradient(got_s, want_s) and close(got_w, want_w)
+    assert (await contexts_everywhere(trio)) == [0, 0, 0]
+
+
+W_E = weights(6, 3, seed=28)  # an embedding table on b
+
+
+def embed_sparsely(indices: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.embedding(indices, W_E, sparse=True)  # sparse gradient
+
+
+def project(x: torch.Tensor) -> torch.Tensor:
+    return x @ W_E  # dense gradient
+
+
+async def test_sparse_and_dense_gradients_of_one_leaf_add_up(trio: Agents) -> None:
+    a, b, _ = trio
+    indices, x = torch.tensor([[0, 2], [2, 5]]), weights(2, 6, seed=29).detach()
+    async with autograd.context() as ctx:
+        looked_up = await a.rpc_async("b", embed_sparsely, (indices,))
+        await autograd.backward(ctx, [looked_up.pow(2).sum()])  # a sparse gradient first
+        projected = await a.rpc_async("b", project, (x,))
+        await autograd.backward(ctx, [projected.sum()])  # then a dense one
+        got = grads_on(b, ctx)[W_E]
+    want = local_grads(lambda: embed_sparsely(indices).pow(2).sum() + project(x).sum(), [W_E])
+    assert close(got.to_dense(), want[0].to_dense())
+
+
+def meta_stage(h: torch.Tensor) -> torch.Tensor:
+    return h * 2
+
+
+async def test_tensors_serde_leaves_to_torch_are_recorded_too(trio: Agents) -> None:
+    """A tensor serde does not reduce itself (here on the meta device) travels by torch's
+    own pickling; it is recorded all the same, and its sender gets its gradient."""
+    a = trio[0]
+    leaf = torch.empty(3, 2, device="meta", requires_grad=True)
+    async with autograd.context() as ctx:
+        y = await a.rpc_async("b", meta_stage, (leaf * 3,))
+        assert y.device.type == "meta" and y.requires_grad and y.is_leaf
+        await autograd.backward(ctx, [y.sum()])
+        got = autograd.get_gradients(ctx)[leaf]
+    assert got.device.type == "meta" and got.shape == leaf.shape

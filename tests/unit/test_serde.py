@@ -407,12 +407,87 @@ def test_negative_view_round_trip() -> None:
     assert torch.equal(got, t)
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_non_strided_tensor_falls_back_to_torch_pickling() -> None:
-    sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 5.0], (4,))
+def _sparse_forms() -> dict[str, torch.Tensor]:
+    dense = torch.arange(24, dtype=torch.float32).reshape(4, 6) % 5 - 2  # zeros among them
+    uncoalesced = torch.sparse_coo_tensor(
+        [[2, 0, 2], [1, 3, 1]], [1.0, 2.0, 3.0], (4, 6), check_invariants=True
+    )
+    empty = torch.sparse_coo_tensor(
+        torch.empty(2, 0, dtype=torch.int64), [], (3, 3), check_invariants=True
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: compressed layouts are in beta
+        return {
+            "coo": dense.to_sparse(),
+            "coo-uncoalesced": uncoalesced,
+            "coo-hybrid": dense.to_sparse(sparse_dim=1),  # values are rows
+            "coo-int": dense.to_sparse().to(torch.int64),
+            "coo-empty": empty,
+            "csr": dense.to_sparse_csr(),
+            "csr-batched": torch.stack([dense, -dense]).to_sparse_csr(),
+            "csc": dense.to_sparse_csc(),
+            "bsr": dense.to_sparse_bsr((2, 3)),
+            "bsc": dense.to_sparse_bsc((2, 3)),
+        }
+
+
+SPARSE_FORMS = _sparse_forms()
+
+
+@pytest.mark.parametrize("name", sorted(SPARSE_FORMS))
+def test_sparse_tensor_round_trip(name: str) -> None:
+    sparse = SPARSE_FORMS[name]
     got = round_trip(sparse)
-    assert got.layout is torch.sparse_coo
+    assert got.layout == sparse.layout and got.dtype == sparse.dtype
+    assert got.shape == sparse.shape and got.dense_dim() == sparse.dense_dim()
     assert torch.equal(got.to_dense(), sparse.to_dense())
+    if sparse.layout is torch.sparse_coo:
+        assert got.is_coalesced() == sparse.is_coalesced()
+        assert torch.equal(got._indices(), sparse._indices())
+
+
+def test_sparse_parts_travel_out_of_band() -> None:
+    indices = torch.zeros(1, 1000, dtype=torch.int64)
+    sparse = torch.sparse_coo_tensor(indices, torch.ones(1000), (5,), check_invariants=True)
+    payload, buffers = dumps(sparse)
+    assert sorted(len(b) for b in buffers) == [4000, 8000]  # values, then indices
+    assert len(payload) < 1000
+
+
+@pytest.mark.parametrize("name", ["coo", "csr"])
+def test_sparse_requires_grad_and_parameter_are_kept(name: str) -> None:
+    sparse = SPARSE_FORMS[name]
+    got = round_trip(sparse.detach().requires_grad_())
+    assert got.requires_grad and got.is_leaf and type(got) is torch.Tensor
+    param = round_trip(torch.nn.Parameter(sparse.detach(), requires_grad=False))
+    assert type(param) is torch.nn.Parameter and not param.requires_grad
+    assert torch.equal(param.detach().to_dense(), sparse.to_dense())
+
+
+def test_received_sparse_tensors_are_not_kept_alive() -> None:
+    """torch's own rebuild keeps every sparse tensor in a list that only torch.load
+    empties; ours keeps none."""
+    import torch._utils
+
+    pending = len(torch._utils._sparse_tensors_to_validate)
+    for _ in range(5):
+        round_trip(SPARSE_FORMS["coo"])
+        round_trip(SPARSE_FORMS["csr"])
+    assert len(torch._utils._sparse_tensors_to_validate) == pending
+
+
+def test_sparse_tensor_with_an_index_out_of_bounds_is_refused() -> None:
+    invalid = torch.sparse_coo_tensor([[0, 7]], [1.0, 2.0], (4,), check_invariants=False)
+    payload, buffers = dumps(invalid)
+    with pytest.raises(SerializationError, match="size is inconsistent with indices"):
+        loads(payload, receive(buffers))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's: TypedStorage is deprecated
+def test_other_layouts_fall_back_to_torch_pickling() -> None:
+    quantized = torch.quantize_per_tensor(torch.tensor([1.0, 2.0]), 0.5, 0, torch.quint8)
+    got = round_trip(quantized)
+    assert got.is_quantized and torch.equal(got.int_repr(), quantized.int_repr())
 
 
 def test_dumps_keeps_no_reference_to_what_it_serialised() -> None:
