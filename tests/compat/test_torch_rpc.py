@@ -75,9 +75,6 @@ KNOWN_FAILURES: dict[str, str] = {
     "RpcTest.test_duplicate_name_2": (
         "type: a duplicate name is asyncrpc's ValueError ('used by ranks'), torch's RuntimeError ('is not unique')"
     ),
-    "RpcTest.test_function_not_on_callee": (
-        "message: asyncrpc's SerializationError text, not torch's 'RPC pickler does not serialize'"
-    ),
     "RpcTest.test_invalid_names": (
         "message: asyncrpc's name rule and text (torch: 'Worker name must match', 'shorter than 128')"
     ),
@@ -116,7 +113,6 @@ KNOWN_FAILURES: dict[str, str] = {
     "RpcTest.test_wait_all_exit_early_python": (
         "torch.futures: as test_wait_all_exit_early_builtin"
     ),
-    "RpcTest.test_worker_id": ("message: torch's 'could not find destination'"),
     "RpcTest.test_wrong_types": (
         "validation order: init_rpc rendezvouses before it checks backend and option types"
     ),

@@ -310,6 +310,27 @@ def test_loads_garbage_raises_serialization_error(payload: bytes) -> None:
         loads(payload, [])
 
 
+def only_on_the_sender() -> None:
+    """Pickled by reference; removed from this module before unpickling."""
+
+
+def test_loads_of_a_function_missing_here_says_code_is_not_sent() -> None:
+    payload, buffers = dumps(only_on_the_sender)
+    del globals()["only_on_the_sender"]  # as on a callee that lacks it
+    try:
+        with pytest.raises(SerializationError) as info:
+            loads(payload, buffers)
+    finally:
+        globals()["only_on_the_sender"] = _keep
+    message = str(info.value)
+    assert "only_on_the_sender" in message
+    assert "does not serialize function code" in message
+    assert "define them on both caller and callee" in message
+
+
+_keep = only_on_the_sender
+
+
 def test_loads_missing_buffers_raises_serialization_error() -> None:
     payload, buffers = dumps(torch.ones(3))
     assert len(buffers) == 1
