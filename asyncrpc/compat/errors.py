@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncrpc.errors as native
 
 __all__ = (
+    "ConfigurationError",
     "PeerLostError",
     "RPCTimeoutError",
     "RRefError",
@@ -45,6 +46,11 @@ class RemoteError(native.RemoteError, RuntimeError):
 
 class SerializationError(native.SerializationError, RuntimeError):
     """A value that does not pickle, or a payload that does not unpickle."""
+
+
+class ConfigurationError(ValueError, RuntimeError):
+    """``init_rpc`` was given a bad name, rank or world size, or two workers share a name
+    (asyncrpc: ``ValueError``; torch: ``RuntimeError``)."""
 
 
 _TWINS: dict[type[native.AsyncRPCError], type[native.AsyncRPCError]] = {

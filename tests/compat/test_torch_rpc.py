@@ -72,12 +72,6 @@ KNOWN_FAILURES: dict[str, str] = {
     "RpcTest.test_custom_exception_throw_during_reconstruction": (
         "message: an exception that cannot be rebuilt arrives as RemoteError (a RuntimeError) with asyncrpc's message"
     ),
-    "RpcTest.test_duplicate_name_2": (
-        "type: a duplicate name is asyncrpc's ValueError ('used by ranks'), torch's RuntimeError ('is not unique')"
-    ),
-    "RpcTest.test_invalid_names": (
-        "message: asyncrpc's name rule and text (torch: 'Worker name must match', 'shorter than 128')"
-    ),
     "RpcTest.test_local_value_not_on_owner": ("message: torch's text names UserRRef/fork ids"),
     "RpcTest.test_non_cont_tensors": (
         "semantics: a view with gaps travels as a contiguous copy of its own elements; torch keeps its strides"
@@ -112,9 +106,6 @@ KNOWN_FAILURES: dict[str, str] = {
     ),
     "RpcTest.test_wait_all_exit_early_python": (
         "torch.futures: as test_wait_all_exit_early_builtin"
-    ),
-    "RpcTest.test_wrong_types": (
-        "validation order: init_rpc rendezvouses before it checks backend and option types"
     ),
     "TensorPipeAgentDistAutogradTest.test_backward_different_dtypes_sparse": (
         "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
@@ -164,9 +155,6 @@ KNOWN_FAILURES: dict[str, str] = {
     ),
     "TensorPipeAgentRpcTest.test_op_with_invalid_args": (
         "type: a builtin's TypeError is re-raised as itself; torch raises RuntimeError ('failed to match any schema')"
-    ),
-    "TensorPipeAgentRpcTest.test_tensorpipe_options_throw_on_timedelta_timeout": (
-        "TensorPipe options: torch's C++ options refuse a timedelta rpc_timeout"
     ),
 }
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -29,7 +29,8 @@ import asyncrpc.api as native_api
 from asyncrpc.agent import RpcAgent, current_agent
 from asyncrpc.compat import _runtime
 from asyncrpc.compat._private import private_getattr
-from asyncrpc.compat.errors import convert
+from asyncrpc.compat.errors import ConfigurationError, convert
+from asyncrpc.compat.rpc.backend_registry import BackendType
 from asyncrpc.compat.rpc.constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 from asyncrpc.compat.rpc.options import RpcBackendOptions, TensorPipeRpcBackendOptions
 from asyncrpc.compat.rpc.rref import RRef, WorkerInfo, worker_info
@@ -61,8 +62,8 @@ def init_rpc(
     asyncrpc is the backend).  ``rank=-1`` and ``world_size=None`` read ``RANK`` and
     ``WORLD_SIZE``; the options give ``init_method``, ``rpc_timeout`` and
     ``num_worker_threads``.  Blocks until every worker has joined."""
+    _check_arguments(backend, rpc_backend_options)
     options = rpc_backend_options or TensorPipeRpcBackendOptions()
-    _check_options(options)
     if _runtime.is_running():
         raise AgentStateError("RPC is already initialized: call shutdown() first")
     native = current_agent()
@@ -75,7 +76,7 @@ def init_rpc(
     _runtime.start(threads)
     RRefContext.handle_type = RRef  # before joining: peers may call us at once
     try:
-        _runtime.run(
+        _join(
             lambda: native_api.init_rpc(
                 name,
                 rank=None if rank is None or rank < 0 else rank,
@@ -83,8 +84,7 @@ def init_rpc(
                 init_method=options.init_method,
                 rpc_timeout=options.rpc_timeout,
                 num_worker_threads=threads,
-            ),
-            "init_rpc",
+            )
         )
     except BaseException:
         RRefContext.handle_type = None
@@ -92,10 +92,27 @@ def init_rpc(
         raise
 
 
-def _check_options(options: RpcBackendOptions) -> None:
-    if not isinstance(options, RpcBackendOptions):
+def _join(start: Callable[[], Awaitable[None]]) -> None:
+    """Run the native ``init_rpc``; a bad name, rank or world size, or a name two
+    workers share, is torch's ``RuntimeError`` (and still a ``ValueError``)."""
+    try:
+        _runtime.run(start, "init_rpc")
+    except ValueError as exc:
+        if isinstance(exc, RuntimeError):
+            raise
+        raise ConfigurationError(str(exc)) from exc
+
+
+def _check_arguments(backend: Any, options: Any) -> None:
+    """torch's checks of ``init_rpc``'s argument types, before anything starts."""
+    if backend is not None and not isinstance(backend, BackendType):
         raise TypeError(
-            f"rpc_backend_options must be TensorPipeRpcBackendOptions, not {type(options)}"
+            f"Argument backend must be a member of BackendType, not {type(backend).__name__}"
+        )
+    if options is not None and not isinstance(options, RpcBackendOptions):
+        raise TypeError(
+            "Argument rpc_backend_options must be an instance of RpcBackendOptions, not "
+            f"{type(options).__name__}"
         )
     if getattr(options, "device_maps", None):
         raise ValueError("asyncrpc has no device maps: leave device_maps empty")

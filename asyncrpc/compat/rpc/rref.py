@@ -40,10 +40,7 @@ class WorkerInfo(NativeWorkerInfo):
     __slots__ = ()
 
     def __init__(self, name: str, worker_id: int) -> None:
-        try:
-            validate_name(name)
-        except ValueError as exc:
-            raise RuntimeError(str(exc)) from None
+        check_name(name)
         if not isinstance(worker_id, int) or worker_id < 0:
             raise RuntimeError(f"worker id must be a non-negative integer, not {worker_id!r}")
         object.__setattr__(self, "name", name)
@@ -62,6 +59,25 @@ class WorkerInfo(NativeWorkerInfo):
 
     def __repr__(self) -> str:
         return f"WorkerInfo(id={self.id}, name={self.name})"
+
+
+def check_name(name: object) -> None:
+    """Raise torch's ``RuntimeError`` unless ``name`` is a legal worker name (asyncrpc's
+    rule: 1 to 127 of letters, digits, ``_ : - .``)."""
+    try:
+        validate_name(name)
+    except ValueError as exc:
+        if name == "":
+            raise RuntimeError("Worker name must be non-empty") from exc
+        if isinstance(name, str) and len(name) >= _MAX_NAME_LEN:
+            raise RuntimeError(
+                f"RPC worker name {name[:32]}... ({len(name)} characters) is not shorter "
+                f"than {_MAX_NAME_LEN}"
+            ) from exc
+        raise RuntimeError(f"Worker name must match ^[A-Za-z0-9_:.-]*$, got {name!r}") from exc
+
+
+_MAX_NAME_LEN = 128  # torch's bound (exclusive), and asyncrpc's
 
 
 def worker_info(info: NativeWorkerInfo) -> WorkerInfo:
