@@ -72,7 +72,6 @@ KNOWN_FAILURES: dict[str, str] = {
     "RpcTest.test_custom_exception_throw_during_reconstruction": (
         "message: an exception that cannot be rebuilt arrives as RemoteError (a RuntimeError) with asyncrpc's message"
     ),
-    "RpcTest.test_local_value_not_on_owner": ("message: torch's text names UserRRef/fork ids"),
     "RpcTest.test_non_cont_tensors": (
         "semantics: a view with gaps travels as a contiguous copy of its own elements; torch keeps its strides"
     ),
@@ -87,9 +86,6 @@ KNOWN_FAILURES: dict[str, str] = {
     ),
     "RpcTest.test_rref_proxy_non_exist": (
         "semantics: torch checks the method on the value's type before rref.remote().m(); asyncrpc raises at the RRef's first use"
-    ),
-    "RpcTest.test_rref_str": (
-        "format: repr(RRef) is asyncrpc's, not torch's OwnerRRef(GloballyUniqueId(...))"
     ),
     "RpcTest.test_use_rref_after_shutdown": (
         "message: torch's 'Cannot call to_here() on it after deletion'"

@@ -25,7 +25,7 @@ import asyncrpc.api as native_api
 from asyncrpc.agent import WorkerInfo as NativeWorkerInfo
 from asyncrpc.agent import validate_name
 from asyncrpc.compat import _runtime
-from asyncrpc.compat.errors import SerializationError, convert
+from asyncrpc.compat.errors import RRefError, SerializationError, convert
 from asyncrpc.compat.rpc.constants import UNSET_RPC_TIMEOUT
 from asyncrpc.rref import RRef as NativeRRef
 
@@ -102,6 +102,18 @@ class RRef(NativeRRef[T]):
             f"({self!r} pickles only into asyncrpc calls)"
         )
 
+    def __str__(self) -> str:
+        """torch's form: ``OwnerRRef(GloballyUniqueId(...))`` on the owner,
+        ``UserRRef(RRefId = ..., ForkId = ...)`` elsewhere."""
+        if self.is_owner():
+            return f"OwnerRRef({_unique_id(self._id)})"
+        return f"UserRRef(RRefId = {_unique_id(self._id)}, ForkId = {_unique_id(self._fork())})"
+
+    def _fork(self) -> tuple[int, int] | None:
+        """This worker's fork of the RRef (None once released)."""
+        held = self._context.state.held.get(self._id)
+        return None if held is None else held.fork
+
     def owner(self) -> WorkerInfo:
         """The owner's WorkerInfo."""
         return worker_info(super().owner())
@@ -109,7 +121,14 @@ class RRef(NativeRRef[T]):
     def local_value(self) -> T:
         """The value itself, on the owner (waiting for it to be made, as torch does,
         except on the event loop thread); elsewhere ``RuntimeError``."""
-        if self.is_owner() and _runtime.is_running() and not _runtime.running().on_loop_thread():
+        if not self.is_owner():
+            raise RRefError(
+                f"For UserRRef(rref_id={_unique_id(self._id)}, "
+                f"fork_id={_unique_id(self._fork())}), can't call localValue() on user "
+                f"{worker_info(self._context.agent.info)!r}. Call it on owner {self.owner()!r} "
+                "(or use to_here() here)"
+            )
+        if _runtime.is_running() and not _runtime.running().on_loop_thread():
             return _runtime.run(lambda: NativeRRef.to_here(self), "RRef.local_value()")
         try:
             return super().local_value()
@@ -166,6 +185,13 @@ class RRef(NativeRRef[T]):
                 f"{self!r}._get_type()",
             )
         return future.wait() if blocking else future
+
+
+def _unique_id(id_: tuple[int, int] | None) -> str:
+    """An RRef or fork id as torch prints it."""
+    if id_ is None:
+        return "None"
+    return f"GloballyUniqueId(created_on={id_[0]}, local_id={id_[1]})"
 
 
 def _local_backward(rref: NativeRRef[Any], retain_graph: bool) -> None:
