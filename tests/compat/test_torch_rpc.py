@@ -53,9 +53,6 @@ QUICK: dict[str, set[str]] = {
 # ruff: noqa: E501
 # "Suite.test" -> why (docs/compat.md).
 KNOWN_FAILURES: dict[str, str] = {
-    "DistAutogradTest.test_backward_invalid_args": (
-        "message: torch's pybind TypeError ('incompatible function arguments') for roots=None"
-    ),
     "DistAutogradTest.test_backward_rref_nested": (
         "to investigate: gradients of an RRef's backward through a nested call differ from the local ones"
     ),
@@ -75,9 +72,6 @@ KNOWN_FAILURES: dict[str, str] = {
     "RpcTest.test_non_cont_tensors": (
         "semantics: a view with gaps travels as a contiguous copy of its own elements; torch keeps its strides"
     ),
-    "RpcTest.test_owner_rref_backward": (
-        "test setup: uses RRef(...) over values compat handles differently (to investigate)"
-    ),
     "RpcTest.test_py_nested_pickle": (
         "torch internals: PythonUDF (in a module-level helper, so the classifier misses it)"
     ),
@@ -89,9 +83,6 @@ KNOWN_FAILURES: dict[str, str] = {
     ),
     "RpcTest.test_use_rref_after_shutdown": (
         "message: torch's 'Cannot call to_here() on it after deletion'"
-    ),
-    "RpcTest.test_user_rref_backward": (
-        "to investigate: local-autograd backward of a user RRef (a worker exits early)"
     ),
     "RpcTest.test_user_rrefs_confirmed": (
         "semantics: torch runs a function only once the RRef forks in its arguments are confirmed; asyncrpc runs it at once (confirmation follows)"

@@ -351,6 +351,37 @@ def scalar_loss(h: torch.Tensor) -> torch.Tensor:
     return (h @ W_B).pow(2).sum()
 
 
+def identity(value: Any) -> Any:
+    return value
+
+
+async def test_rref_backward_waits_for_its_value_and_needs_a_tensor(trio: Agents) -> None:
+    w_a = weights(2, 4, seed=17)
+    async with autograd.context() as ctx:
+        mine = remote("a", scalar_loss, (w_a * 1,))  # made in a pool thread: not yet made
+        await mine.backward(ctx)
+        got = autograd.get_gradients(ctx)[w_a]
+        text = remote("b", identity, ("foo",))
+        with pytest.raises(TypeError, match=r"RRef should contain a tensor for \.backward\(\)"):
+            await text.backward(ctx)  # checked before b is asked for a context it never saw
+    assert close(got, torch.autograd.grad(scalar_loss(w_a * 1), [w_a])[0])
+
+
+async def test_backward_refuses_roots_it_cannot_start_from(trio: Agents) -> None:
+    leaf = torch.ones(1, requires_grad=True)
+    cases: list[tuple[list[Any], type[Exception], str]] = [
+        ([], ValueError, "No tensors provided"),
+        ([torch.ones(1)], ValueError, "requires_grad not set"),
+        ([leaf * torch.ones(3)], ValueError, "is not a scalar, all roots need to be scalar"),
+        ([leaf], ValueError, "does not have a valid gradient function"),
+        (["loss"], TypeError, "not a tensor"),
+    ]
+    async with autograd.context() as ctx:
+        for roots, error, message in cases:
+            with pytest.raises(error, match=message):
+                await autograd.backward(ctx, roots)
+
+
 async def test_contexts_a_lost_worker_opened_are_freed_on_the_survivors(trio: Agents) -> None:
     a, b, _ = trio
     x = weights(2, 4, seed=3)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
+import torch
+
 import asyncrpc.api as native_api
 from asyncrpc.agent import WorkerInfo as NativeWorkerInfo
 from asyncrpc.agent import validate_name
@@ -154,23 +156,23 @@ class RRef(NativeRRef[T]):
 
     def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:  # type: ignore[override]  # torch's blocking form
         """Backward pass from the RRef's scalar value: distributed, in context
-        ``dist_autograd_ctx_id``; or, with ``-1``, local autograd on the owner."""
+        ``dist_autograd_ctx_id``; or, with ``-1`` and only on the owner, local autograd."""
         if dist_autograd_ctx_id == -1:
-            if self.is_owner():
-                _local_backward(self, retain_graph)
-            else:
-                _runtime.run(
-                    lambda: native_api.rpc_async(
-                        self._owner, _local_backward, (self, retain_graph)
-                    ),
-                    f"{self!r}.backward()",
+            if not self.is_owner():
+                raise RRefError(
+                    f"User RRefs require 'dist_autograd_ctx_id' to be specified ({self!r} "
+                    "is owned elsewhere: local autograd runs only on its owner)"
                 )
+            _local_backward(self.local_value(), retain_graph)
             return
         context_id = dist_autograd_ctx_id
-        from asyncrpc.compat.autograd import _retrieve_context  # noqa: PLC0415  # imports us
+        from asyncrpc.compat.autograd import (  # noqa: PLC0415  # it imports us
+            _retrieve_context,
+            run_engine,
+        )
 
         _retrieve_context(context_id)  # torch's error for an unknown context, before sending
-        _runtime.run(
+        run_engine(
             lambda: NativeRRef.backward(self, context_id, retain_graph), f"{self!r}.backward()"
         )
 
@@ -194,9 +196,13 @@ def _unique_id(id_: tuple[int, int] | None) -> str:
     return f"GloballyUniqueId(created_on={id_[0]}, local_id={id_[1]})"
 
 
-def _local_backward(rref: NativeRRef[Any], retain_graph: bool) -> None:
-    """On the owner: local autograd from the RRef's scalar value (``.grad`` accumulates)."""
-    NativeRRef.local_value(rref).backward(retain_graph=retain_graph)
+def _local_backward(value: object, retain_graph: bool) -> None:
+    """Local autograd from an RRef's scalar value (``.grad`` accumulates)."""
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError(
+            f"RRef should contain a tensor for .backward(), not a {type(value).__name__}"
+        )
+    torch.autograd.backward(value, retain_graph=retain_graph)
 
 
 async def _value_type(rref: NativeRRef[Any]) -> type:
