@@ -72,6 +72,7 @@ if TYPE_CHECKING:
     from asyncrpc.agent.agent import RpcAgent
 
 log = logging.getLogger("asyncrpc.agent")
+calls_log = logging.getLogger("asyncrpc.agent.calls")  # failed calls, on the callee (INFO)
 
 # Seconds.  A trip through a pool thread costs two thread wake-ups (50 to 500 µs on small
 # VMs); stalling the loop for less than a millisecond costs other calls no more than that.
@@ -442,6 +443,7 @@ class Inbound:
         """Send ``exc`` as the call's ERROR reply.  An error too large for the caller is
         replaced by the LocalProtocolError saying so; if even that is too large (a
         limit of a few hundred bytes), nothing is sent and the caller times out."""
+        self._log_failure(call, exc)
         if call.link.closed:
             return
         try:
@@ -451,6 +453,18 @@ class Inbound:
                 self._send_error(call, too_large)
             except LocalProtocolError:
                 log.warning("no reply of %s fits %r: %s", call.function, call.link, too_large)
+
+    def _log_failure(self, call: IncomingCall, exc: BaseException) -> None:
+        """Record a failed call on the callee (the caller gets the error itself)."""
+        if calls_log.isEnabledFor(logging.INFO):
+            calls_log.info(
+                "worker %r: %s, called by %r, failed: %r",
+                self.worker,
+                call.function,
+                call.link.peer.name,
+                exc,
+                exc_info=exc,
+            )
 
     def _send_error(self, call: IncomingCall, exc: BaseException) -> None:
         payload, buffers = pack_error(exc, self.worker, call.function)

@@ -75,9 +75,6 @@ KNOWN_FAILURES: dict[str, str] = {
     "RpcTest.test_py_nested_pickle": (
         "torch internals: PythonUDF (in a module-level helper, so the classifier misses it)"
     ),
-    "RpcTest.test_py_raise_in_user_func": (
-        "semantics: torch logs a user function's exception on the callee's stderr; asyncrpc does not"
-    ),
     "RpcTest.test_rref_proxy_non_exist": (
         "semantics: torch checks the method on the value's type before rref.remote().m(); asyncrpc raises at the RRef's first use"
     ),

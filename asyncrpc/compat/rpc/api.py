@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
+import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, cast
@@ -75,6 +77,7 @@ def init_rpc(
     threads = getattr(options, "num_worker_threads", 16)
     _runtime.start(threads)
     RRefContext.handle_type = RRef  # before joining: peers may call us at once
+    _failed_calls.show()
     try:
         _join(
             lambda: native_api.init_rpc(
@@ -88,8 +91,47 @@ def init_rpc(
         )
     except BaseException:
         RRefContext.handle_type = None
+        _failed_calls.hide()
         _runtime.stop()
         raise
+
+
+class _StderrHandler(logging.StreamHandler[Any]):
+    """Writes to whatever ``sys.stderr`` is when a record comes (torch prints there)."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: Any) -> None:
+        pass
+
+
+class _FailedCalls:
+    """torch prints a user function's exception on the callee's stderr; asyncrpc logs it
+    (``asyncrpc.agent.calls``, INFO): while compat runs, those records go to stderr."""
+
+    def __init__(self) -> None:
+        self.handler = _StderrHandler()
+        self.handler.setLevel(logging.INFO)
+        self.logger = logging.getLogger("asyncrpc.agent.calls")
+        self.set_level = False
+
+    def show(self) -> None:
+        self.logger.addHandler(self.handler)
+        if self.logger.level == logging.NOTSET:  # (a level the user chose is kept)
+            self.logger.setLevel(logging.INFO)
+            self.set_level = True
+
+    def hide(self) -> None:
+        self.logger.removeHandler(self.handler)
+        if self.set_level:
+            self.logger.setLevel(logging.NOTSET)
+            self.set_level = False
+
+
+_failed_calls = _FailedCalls()
 
 
 def _join(start: Callable[[], Awaitable[None]]) -> None:
@@ -127,6 +169,7 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
         _runtime.run(lambda: native_api.shutdown(graceful, bound), "shutdown")
     finally:
         RRefContext.handle_type = None
+        _failed_calls.hide()
         _runtime.stop()
 
 
