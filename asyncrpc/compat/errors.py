@@ -71,8 +71,18 @@ def convert(error: BaseException) -> BaseException:
     if twin is None:
         return error
     assert isinstance(error, native.AsyncRPCError)  # for the type checker
-    converted = twin(str(error), **error.details)
+    converted = twin(_message(error), **error.details)
     converted.__dict__.update(error.__dict__)  # remote_worker, remote_traceback, __notes__
     converted.__cause__ = error.__cause__
     converted.__suppress_context__ = error.__suppress_context__
     return converted.with_traceback(error.__traceback__)
+
+
+def _message(error: native.AsyncRPCError) -> str:
+    """The message in torch's words where torch's tests or users look for them."""
+    if isinstance(error, native.RemoteError) and error.details.get("exc_type"):
+        return (
+            "the remote exception could not be rebuilt here. Original exception on remote "
+            f"side was {error}"
+        )
+    return str(error)

@@ -66,9 +66,6 @@ KNOWN_FAILURES: dict[str, str] = {
     "DistOptimizerTest.test_dist_optim_exception_on_constructor": (
         "semantics: torch's constructor waits for the remote optimizers and raises their error; asyncrpc's (remote()) raises it at the first step"
     ),
-    "RpcTest.test_custom_exception_throw_during_reconstruction": (
-        "message: an exception that cannot be rebuilt arrives as RemoteError (a RuntimeError) with asyncrpc's message"
-    ),
     "RpcTest.test_non_cont_tensors": (
         "semantics: a view with gaps travels as a contiguous copy of its own elements; torch keeps its strides"
     ),
