@@ -72,9 +72,6 @@ KNOWN_FAILURES: dict[str, str] = {
     "RpcTest.test_py_nested_pickle": (
         "torch internals: PythonUDF (in a module-level helper, so the classifier misses it)"
     ),
-    "RpcTest.test_rref_proxy_non_exist": (
-        "semantics: torch checks the method on the value's type before rref.remote().m(); asyncrpc raises at the RRef's first use"
-    ),
     "RpcTest.test_use_rref_after_shutdown": (
         "message: torch's 'Cannot call to_here() on it after deletion'"
     ),

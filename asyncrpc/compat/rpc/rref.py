@@ -93,7 +93,7 @@ class RRef(NativeRRef[T]):
     ``RRef(value)`` makes this worker the owner of ``value``.
     """
 
-    __slots__ = ()
+    __slots__ = ("_value_type",)
 
     def __init__(self, value: T, type_hint: Any = None) -> None:
         _runtime.call(lambda: NativeRRef.__init__(self, value), "RRef()")
@@ -188,6 +188,20 @@ class RRef(NativeRRef[T]):
             )
         return future.wait() if blocking else future
 
+    def _check_method(self, method: str, timeout: float | None) -> None:
+        """torch looks ``method`` up on the value's type (fetched once per handle) before
+        ``rref.remote().method()`` sends anything, so a missing one is an
+        ``AttributeError`` at once.  Not on the loop thread, which must not block: there
+        the RRef's first use raises it."""
+        if _runtime.running().on_loop_thread():
+            return
+        value_type = getattr(self, "_value_type", None)
+        if value_type is None:
+            value_type = self._value_type = self._get_type(
+                UNSET_RPC_TIMEOUT if timeout is None else timeout
+            )
+        getattr(value_type, method)
+
 
 def _unique_id(id_: tuple[int, int] | None) -> str:
     """An RRef or fork id as torch prints it."""
@@ -224,6 +238,7 @@ class _Proxy:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             if kind == "remote":
+                rref._check_method(method, timeout)
                 proxy = NativeRRef.remote(rref, timeout)
                 return _runtime.call(lambda: getattr(proxy, method)(*args, **kwargs), what)
             native = NativeRRef.rpc_async(rref, timeout)
