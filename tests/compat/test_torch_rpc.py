@@ -63,9 +63,6 @@ KNOWN_FAILURES: dict[str, str] = {
         "torch internals: checks that gradients are not copied (tensor identity); asyncrpc accumulates copies"
     ),
     "DistAutogradTest.test_no_grad_copy_sparse": ("torch internals: as test_no_grad_copy"),
-    "DistOptimizerTest.test_dist_optim_exception_on_constructor": (
-        "semantics: torch's constructor waits for the remote optimizers and raises their error; asyncrpc's (remote()) raises it at the first step"
-    ),
     "RpcTest.test_non_cont_tensors": (
         "semantics: a view with gaps travels as a contiguous copy of its own elements; torch keeps its strides"
     ),

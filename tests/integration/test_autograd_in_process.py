@@ -288,6 +288,21 @@ async def test_optimizer_arguments_are_checked_as_torch_checks_them(trio: Agents
             await opt.step(ctx)
 
 
+class RefusingOptimizer(torch.optim.SGD):
+    def __init__(self, params: Any) -> None:
+        raise ValueError("this optimizer refuses its parameters")
+
+
+async def test_optimizer_created_raises_an_owners_constructor_error(trio: Agents) -> None:
+    server = remote("b", Server)
+    params = [await server.rpc_async().parameter(), RRef(weights(2, seed=18))]
+    fine = optim.DistributedOptimizer(torch.optim.SGD, params, lr=0.1)
+    await fine.created()  # both owners (b, and a itself) made theirs
+    refused = optim.DistributedOptimizer(RefusingOptimizer, params)
+    with pytest.raises(ValueError, match="refuses its parameters"):
+        await refused.created()
+
+
 def failing_stage(h: torch.Tensor) -> torch.Tensor:
     return BadBackward.apply(h)
 
