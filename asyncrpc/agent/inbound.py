@@ -58,7 +58,7 @@ import torch
 
 from asyncrpc.agent.dispatch import Placement, as_exception, describe, pack_error
 from asyncrpc.agent.pool import WorkerPool
-from asyncrpc.agent.transfer import Undo, apply_carried, dumps_for, loads_from, undo
+from asyncrpc.agent.transfer import Undo, apply_carried, carried, dumps_for, loads_from, undo
 from asyncrpc.errors import (
     LocalProtocolError,
     RemoteError,
@@ -254,10 +254,12 @@ class Inbound:
     def invoke(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> asyncio.Future[Any]:
-        """Run ``func`` where its placement says (as an incoming call would run);
-        returns a future, on the loop, of its result."""
+        """Run ``func`` where its placement says (as an incoming call would run, with
+        the propagated variables of the caller's context: its distributed autograd
+        context, say); returns a future, on the loop, of its result."""
         placement, name = describe(func)
         context = self._context.copy()
+        apply_carried(context, carried())
         if placement is Placement.THREAD:
             future = self._loop.create_future()
             self.slow_threads_busy += 1

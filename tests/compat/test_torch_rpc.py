@@ -53,9 +53,6 @@ QUICK: dict[str, set[str]] = {
 # ruff: noqa: E501
 # "Suite.test" -> why (docs/compat.md).
 KNOWN_FAILURES: dict[str, str] = {
-    "DistAutogradTest.test_backward_rref_nested": (
-        "to investigate: gradients of an RRef's backward through a nested call differ from the local ones"
-    ),
     "DistAutogradTest.test_backward_unused_send_function": (
         "semantics: torch's backward waits for a send function that no gradient reaches; asyncrpc's returns"
     ),

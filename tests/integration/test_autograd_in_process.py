@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from asyncrpc import RRef, autograd, nn, optim, remote
-from asyncrpc.agent import AgentOptions, RpcAgent, async_execution, on_loop, set_default_agent
+from asyncrpc.agent import (
+    AgentOptions,
+    RpcAgent,
+    async_execution,
+    current_agent,
+    on_loop,
+    set_default_agent,
+)
 from asyncrpc.autograd.context import contexts_of
 from tests.in_process import joined_agents
 
@@ -364,6 +371,31 @@ async def test_rref_backward_runs_on_the_owner(trio: Agents) -> None:
 
 def scalar_loss(h: torch.Tensor) -> torch.Tensor:
     return (h @ W_B).pow(2).sum()
+
+
+def add_to_rref(rref: RRef[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    return RRef.local_value(rref) * 2 + h
+
+
+async def add_to_rref_on(owner: str, rref: RRef[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    """Made by ``remote()``: its nested call must run in the creator's autograd context."""
+    agent = current_agent()
+    assert agent is not None
+    return await agent.rpc_async(owner, add_to_rref, (rref, h))  # type: ignore[no-any-return]
+
+
+async def test_remote_value_made_by_a_nested_call_is_recorded(trio: Agents) -> None:
+    c = trio[2]
+    h = weights(3, 3, seed=19)
+    async with autograd.context() as ctx:
+        on_c = remote("c", weights, (3, 3), {"seed": 20})
+        made_on_b = remote("b", add_to_rref_on, ("c", on_c, h * 1))
+        await autograd.backward(ctx, [(await made_on_b.to_here()).pow(2).sum()])
+        got_h = autograd.get_gradients(ctx)[h]
+        w_c = await on_c.to_here()  # a copy: c's own tensor is its only leaf there
+        (got_w_c,) = grads_on(c, ctx).values()
+    want_h, want_w_c = torch.autograd.grad((w_c * 2 + h * 1).pow(2).sum(), [h, w_c])
+    assert close(got_h, want_h) and close(got_w_c, want_w_c)
 
 
 def identity(value: Any) -> Any:
