@@ -60,9 +60,6 @@ KNOWN_FAILURES: dict[str, str] = {
         "torch internals: checks that gradients are not copied (tensor identity); asyncrpc accumulates copies"
     ),
     "DistAutogradTest.test_no_grad_copy_sparse": ("torch internals: as test_no_grad_copy"),
-    "RpcTest.test_non_cont_tensors": (
-        "semantics: a view with gaps travels as a contiguous copy of its own elements; torch keeps its strides"
-    ),
     "RpcTest.test_py_nested_pickle": (
         "torch internals: PythonUDF (in a module-level helper, so the classifier misses it)"
     ),
