@@ -14,6 +14,7 @@ import asyncrpc.errors as native
 
 __all__ = (
     "ConfigurationError",
+    "OperatorError",
     "PeerLostError",
     "RPCTimeoutError",
     "RRefError",
@@ -51,6 +52,11 @@ class SerializationError(native.SerializationError, RuntimeError):
 class ConfigurationError(ValueError, RuntimeError):
     """``init_rpc`` was given a bad name, rank or world size, or two workers share a name
     (asyncrpc: ``ValueError``; torch: ``RuntimeError``)."""
+
+
+class OperatorError(TypeError, RuntimeError):
+    """A torch operator called (by RPC) with arguments that match none of its schemas:
+    Python's ``TypeError``, and torch's ``RuntimeError`` ("failed to match any schema")."""
 
 
 _TWINS: dict[type[native.AsyncRPCError], type[native.AsyncRPCError]] = {

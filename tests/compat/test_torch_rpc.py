@@ -122,9 +122,6 @@ KNOWN_FAILURES: dict[str, str] = {
     "TensorPipeAgentRpcTest.test_dynamic_rpc_new_rank_can_communicated_with_existing_rank": (
         "dynamic membership is not supported"
     ),
-    "TensorPipeAgentRpcTest.test_op_with_invalid_args": (
-        "type: a builtin's TypeError is re-raised as itself; torch raises RuntimeError ('failed to match any schema')"
-    ),
 }
 
 _full = os.environ.get("ASYNCRPC_COMPAT_FULL") == "1"

@@ -26,12 +26,14 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, cast
 
 import torch
+from torch.jit._builtins import _find_builtin as _find_untyped
 
 import asyncrpc.api as native_api
 from asyncrpc.agent import RpcAgent, current_agent
+from asyncrpc.agent.dispatch import function_name
 from asyncrpc.compat import _runtime
 from asyncrpc.compat._private import private_getattr
-from asyncrpc.compat.errors import ConfigurationError, convert
+from asyncrpc.compat.errors import ConfigurationError, OperatorError, convert
 from asyncrpc.compat.rpc.backend_registry import BackendType
 from asyncrpc.compat.rpc.constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 from asyncrpc.compat.rpc.options import RpcBackendOptions, TensorPipeRpcBackendOptions
@@ -49,6 +51,7 @@ __all__ = (
     "shutdown",
 )
 
+_find_builtin: Callable[[object], str | None] = _find_untyped  # torch's table of operators
 _thread_local_var = threading.local()  # torch's: `_wait_all` collects futures in it
 _ignore_rref_leak = True  # torch's flag; asyncrpc checks leaks in its own tests
 
@@ -192,7 +195,8 @@ def rpc_sync(
     ``timeout``: seconds; ``-1`` (unset) the default, ``0`` none."""
     seconds = _runtime.value_or_none(timeout)
     return _runtime.run(
-        lambda: native_api.rpc_async(to, func, _args(args), kwargs, seconds), f"rpc_sync to {to}"
+        lambda: native_api.rpc_async(to, _callable(func), _args(args), kwargs, seconds),
+        f"rpc_sync to {to}",
     )
 
 
@@ -206,7 +210,8 @@ def rpc_async(
     """Start ``func(*args, **kwargs)`` on worker ``to``; returns a ``torch.futures.Future``."""
     seconds = _runtime.value_or_none(timeout)
     future = _runtime.start_torch_future(
-        lambda: native_api.rpc_async(to, func, _args(args), kwargs, seconds), f"rpc_async to {to}"
+        lambda: native_api.rpc_async(to, _callable(func), _args(args), kwargs, seconds),
+        f"rpc_async to {to}",
     )
     collected = getattr(_thread_local_var, "future_list", None)
     if collected is not None:
@@ -224,13 +229,48 @@ def remote(
     """Run ``func`` on worker ``to`` and keep the result there; returns its RRef at once."""
     seconds = _runtime.value_or_none(timeout)
     rref = _runtime.call(
-        lambda: native_remote(to, func, _args(args), kwargs, seconds), f"remote to {to}"
+        lambda: native_remote(to, _callable(func), _args(args), kwargs, seconds), f"remote to {to}"
     )
     return cast(RRef[Any], rref)  # compat makes every handle an RRef
 
 
 def _args(args: Any) -> tuple[Any, ...]:
     return () if args is None else tuple(args)
+
+
+def _callable(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func``, or, for a torch operator (``torch.add``), a wrapper that reports
+    arguments matching none of its schemas as torch does (see :class:`_Operator`)."""
+    if _find_builtin(func) is not None:
+        return _Operator(func)
+    return func
+
+
+class _Operator:
+    """A torch operator sent by compat.  torch runs an operator called by RPC by its
+    schema, so arguments that match none is a ``RuntimeError`` ("Overloaded torch
+    operator invoked from Python failed to match any schema"): here an
+    :class:`~asyncrpc.compat.errors.OperatorError`, which is also the ``TypeError``
+    Python raises."""
+
+    __slots__ = ("op", "rpc_name")
+
+    def __init__(self, op: Callable[..., Any]) -> None:
+        self.op = op
+        self.rpc_name = function_name(op)
+
+    def __reduce__(self) -> Any:
+        return _Operator, (self.op,)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.op(*args, **kwargs)
+        except TypeError as exc:
+            if isinstance(exc, RuntimeError):
+                raise
+            raise OperatorError(
+                f"Overloaded torch operator invoked from Python failed to match any schema: {exc}"
+            ) from exc
 
 
 def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
