@@ -139,6 +139,11 @@ class RRef(NativeRRef[T]):
 
     def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> T:  # type: ignore[override]  # torch's blocking form
         """A copy of the value (the value itself on the owner); blocks."""
+        if self._context.closed:
+            raise RRefError(
+                f"{self} was deleted by shutdown() (its worker's RRefs are released). "
+                "Cannot call to_here() on it after deletion."
+            )
         seconds = _runtime.value_or_none(timeout)
         return _runtime.run(lambda: NativeRRef.to_here(self, seconds), f"{self!r}.to_here()")
 
