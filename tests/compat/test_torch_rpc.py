@@ -36,6 +36,10 @@ QUICK: dict[str, set[str]] = {
         "test_callback_simple",
         "test_wait_all_with_exception",
         "test_rref_proxy_tensor",
+        "test_worker_id",
+        "test_rref_str",
+        "test_rref_proxy_non_exist",
+        "test_non_cont_tensors",
     },
     "DistAutogradTest": {
         "test_backward_simple",
@@ -43,9 +47,10 @@ QUICK: dict[str, set[str]] = {
         "test_backward_rref",
         "test_trainer_ps",
         "test_backward_multiple_round_trips",
+        "test_backward_rref_nested",
     },
     "ReinforcementLearningRpcTest": {"test_rl_rpc"},
-    "DistOptimizerTest": {"test_dist_optim"},
+    "DistOptimizerTest": {"test_dist_optim", "test_dist_optim_exception_on_constructor"},
     "ParameterServerTest": {"test_batch_updating_parameter_server"},
 }
 
