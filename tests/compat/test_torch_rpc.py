@@ -87,6 +87,9 @@ KNOWN_FAILURES: dict[str, str] = {
     "TensorPipeAgentDistAutogradTest.test_backward_multiple_round_trips_sparse": (
         "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
     ),
+    "TensorPipeAgentDistAutogradTest.test_backward_no_grad_on_tensor_sparse": (
+        "native gap: distributed autograd records only strided tensors, so the sparse loss does not require grad; backward now refuses such a root as torch does (it used to be a silent no-op, and this test passed without any gradient flowing)"
+    ),
     "TensorPipeAgentDistAutogradTest.test_backward_rref_multi_sparse": (
         "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
     ),
@@ -110,6 +113,12 @@ KNOWN_FAILURES: dict[str, str] = {
     ),
     "TensorPipeAgentDistAutogradTest.test_mixed_requires_grad_sparse": (
         "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
+    ),
+    "TensorPipeAgentDistAutogradTest.test_multiple_backward_sparse": (
+        "native gap: distributed autograd records only strided tensors, so the sparse loss does not require grad; backward now refuses such a root as torch does (it used to be a silent no-op, and this test passed without any gradient flowing)"
+    ),
+    "TensorPipeAgentDistAutogradTest.test_nested_backward_accumulate_grads_sparse": (
+        "native gap: distributed autograd records only strided tensors, so the sparse loss does not require grad; backward now refuses such a root as torch does (it used to be a silent no-op, and this test passed without any gradient flowing)"
     ),
     "TensorPipeAgentDistAutogradTest.test_trainer_ps_sparse": (
         "native gap: distributed autograd records only strided tensors; a sparse tensor that requires grad travels by torch's own pickling, unrecorded (autograd/context.py _reduce_tensor), so it gets no gradient"
