@@ -373,7 +373,11 @@ class RpcAgent:
         found = self._by_rank.get(key) if isinstance(key, int) else self._workers.get(key)
         if found is None:
             known = ", ".join(sorted(self._workers)) or "none yet"
-            raise UnknownWorkerError(f"unknown worker {to!r} (known workers: {known})", worker=to)
+            raise UnknownWorkerError(
+                f"worker {self.info.name!r} could not find destination {to!r}: no such worker "
+                f"(known workers: {known})",
+                worker=to,
+            )
         return found
 
     def rpc_async(

@@ -58,7 +58,7 @@ import torch
 
 from asyncrpc.agent.dispatch import Placement, as_exception, describe, pack_error
 from asyncrpc.agent.pool import WorkerPool
-from asyncrpc.agent.transfer import Undo, apply_carried, dumps_for, loads_from, undo
+from asyncrpc.agent.transfer import Undo, apply_carried, carried, dumps_for, loads_from, undo
 from asyncrpc.errors import (
     LocalProtocolError,
     RemoteError,
@@ -72,6 +72,7 @@ if TYPE_CHECKING:
     from asyncrpc.agent.agent import RpcAgent
 
 log = logging.getLogger("asyncrpc.agent")
+calls_log = logging.getLogger("asyncrpc.agent.calls")  # failed calls, on the callee (INFO)
 
 # Seconds.  A trip through a pool thread costs two thread wake-ups (50 to 500 µs on small
 # VMs); stalling the loop for less than a millisecond costs other calls no more than that.
@@ -253,10 +254,12 @@ class Inbound:
     def invoke(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> asyncio.Future[Any]:
-        """Run ``func`` where its placement says (as an incoming call would run);
-        returns a future, on the loop, of its result."""
+        """Run ``func`` where its placement says (as an incoming call would run, with
+        the propagated variables of the caller's context: its distributed autograd
+        context, say); returns a future, on the loop, of its result."""
         placement, name = describe(func)
         context = self._context.copy()
+        apply_carried(context, carried())
         if placement is Placement.THREAD:
             future = self._loop.create_future()
             self.slow_threads_busy += 1
@@ -442,6 +445,7 @@ class Inbound:
         """Send ``exc`` as the call's ERROR reply.  An error too large for the caller is
         replaced by the LocalProtocolError saying so; if even that is too large (a
         limit of a few hundred bytes), nothing is sent and the caller times out."""
+        self._log_failure(call, exc)
         if call.link.closed:
             return
         try:
@@ -451,6 +455,18 @@ class Inbound:
                 self._send_error(call, too_large)
             except LocalProtocolError:
                 log.warning("no reply of %s fits %r: %s", call.function, call.link, too_large)
+
+    def _log_failure(self, call: IncomingCall, exc: BaseException) -> None:
+        """Record a failed call on the callee (the caller gets the error itself)."""
+        if calls_log.isEnabledFor(logging.INFO):
+            calls_log.info(
+                "worker %r: %s, called by %r, failed: %r",
+                self.worker,
+                call.function,
+                call.link.peer.name,
+                exc,
+                exc_info=exc,
+            )
 
     def _send_error(self, call: IncomingCall, exc: BaseException) -> None:
         payload, buffers = pack_error(exc, self.worker, call.function)

@@ -65,11 +65,29 @@ async def backward(
     """
     agent = _agent()
     context = contexts_of(agent).get(context_id)
-    for root in roots:
-        if root.numel() != 1:
-            raise ValueError(f"backward roots must be scalars, not of shape {tuple(root.shape)}")
+    _check_roots(roots)
     await run_backward(agent, context, [(root, torch.ones_like(root)) for root in roots])
     await ddp.average_gradients(context)
+
+
+def _check_roots(roots: Sequence[torch.Tensor]) -> None:
+    """Refuse roots a backward pass cannot start from (in torch's words)."""
+    if not roots:
+        raise ValueError("No tensors provided for gradient computation (roots is empty)")
+    for index, root in enumerate(roots):
+        if not isinstance(root, torch.Tensor):
+            raise TypeError(f"backward root {index} is a {type(root).__name__}, not a tensor")
+        if not root.requires_grad:
+            raise ValueError(f"requires_grad not set on backward root {index}")
+        if root.numel() != 1:
+            raise ValueError(
+                f"backward root {index} of shape {tuple(root.shape)} is not a scalar, all "
+                "roots need to be scalar"
+            )
+        if root.grad_fn is None:
+            raise ValueError(
+                f"backward root {index} is a leaf: it does not have a valid gradient function"
+            )
 
 
 def get_gradients(context_id: ContextId) -> dict[torch.Tensor, torch.Tensor]:
@@ -87,8 +105,13 @@ def _agent() -> RpcAgent:
 
 
 async def _rref_backward(rref: RRef[torch.Tensor], context_id: ContextId) -> None:
-    """RRef.backward, on the owner: backward from the RRef's scalar value."""
-    await backward(context_id, [RRef.local_value(rref)])
+    """RRef.backward, on the owner: backward from the RRef's scalar value (once made)."""
+    value = await RRef.to_here(rref)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"RRef should contain a tensor for .backward(), {rref!r} holds a {type(value).__name__}"
+        )
+    await backward(context_id, [value])
 
 
 set_backward(_rref_backward)

@@ -13,7 +13,7 @@ everywhere, on the loop.  ``backward`` runs the native backward pass and blocks;
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -67,15 +67,37 @@ class context:  # noqa: N801  # torch's name
 def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False) -> None:
     """Run the backward pass from the scalar ``roots`` across every worker involved;
     gradients accumulate in the context (:func:`get_gradients`).  Blocks."""
+    _check_types(context_id, roots)
     _retrieve_context(context_id)
-    try:
-        _runtime.run(
-            lambda: native.backward(context_id, list(roots), retain_graph),
-            "dist_autograd.backward",
+    run_engine(
+        lambda: native.backward(context_id, list(roots), retain_graph), "dist_autograd.backward"
+    )
+
+
+def _check_types(context_id: object, roots: object) -> None:
+    """What torch's binding refuses before anything runs: an int id, a list of tensors."""
+    if isinstance(context_id, bool) or not isinstance(context_id, int):
+        raise TypeError(
+            "backward(): incompatible function arguments: context_id must be an int, "
+            f"not {type(context_id).__name__}"
         )
+    if not isinstance(roots, (list, tuple)) or not all(
+        isinstance(root, torch.Tensor) for root in roots
+    ):
+        raise TypeError(
+            "backward(): incompatible function arguments: roots must be a list of tensors, "
+            f"not {type(roots).__name__}"
+        )
+
+
+def run_engine(start: Callable[[], Awaitable[None]], what: str) -> None:
+    """Run a native backward pass and block; like torch's engine, report every failure
+    as a ``RuntimeError`` (naming the node where it happened)."""
+    try:
+        _runtime.run(start, what)
     except RuntimeError:
         raise
-    except Exception as exc:  # torch's engine reports every failure as a RuntimeError
+    except Exception as exc:
         raise RuntimeError(f"Error on Node {_node_of(exc)}: {exc}") from exc
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncrpc.errors as native
 
 __all__ = (
+    "ConfigurationError",
+    "OperatorError",
     "PeerLostError",
     "RPCTimeoutError",
     "RRefError",
@@ -47,6 +49,16 @@ class SerializationError(native.SerializationError, RuntimeError):
     """A value that does not pickle, or a payload that does not unpickle."""
 
 
+class ConfigurationError(ValueError, RuntimeError):
+    """``init_rpc`` was given a bad name, rank or world size, or two workers share a name
+    (asyncrpc: ``ValueError``; torch: ``RuntimeError``)."""
+
+
+class OperatorError(TypeError, RuntimeError):
+    """A torch operator called (by RPC) with arguments that match none of its schemas:
+    Python's ``TypeError``, and torch's ``RuntimeError`` ("failed to match any schema")."""
+
+
 _TWINS: dict[type[native.AsyncRPCError], type[native.AsyncRPCError]] = {
     native.RPCTimeoutError: RPCTimeoutError,
     native.PeerLostError: PeerLostError,
@@ -65,8 +77,18 @@ def convert(error: BaseException) -> BaseException:
     if twin is None:
         return error
     assert isinstance(error, native.AsyncRPCError)  # for the type checker
-    converted = twin(str(error), **error.details)
+    converted = twin(_message(error), **error.details)
     converted.__dict__.update(error.__dict__)  # remote_worker, remote_traceback, __notes__
     converted.__cause__ = error.__cause__
     converted.__suppress_context__ = error.__suppress_context__
     return converted.with_traceback(error.__traceback__)
+
+
+def _message(error: native.AsyncRPCError) -> str:
+    """The message in torch's words where torch's tests or users look for them."""
+    if isinstance(error, native.RemoteError) and error.details.get("exc_type"):
+        return (
+            "the remote exception could not be rebuilt here. Original exception on remote "
+            f"side was {error}"
+        )
+    return str(error)

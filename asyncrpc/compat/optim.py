@@ -17,7 +17,10 @@ __all__ = ("DistributedOptimizer",)
 
 class DistributedOptimizer:
     """Any ``torch.optim`` optimizer over parameters that live on several workers
-    (torch's signature); ``step(context_id)`` blocks until every owner stepped."""
+    (torch's signature).  The constructor waits, as torch's does, until every owner
+    has made its optimizer, and raises the error of one that could not (except on the
+    event loop thread, which must not block: there the first step raises it);
+    ``step(context_id)`` blocks until every owner stepped."""
 
     def __init__(
         self,
@@ -32,6 +35,8 @@ class DistributedOptimizer:
             ),
             "DistributedOptimizer()",
         )
+        if not _runtime.running().on_loop_thread():
+            _runtime.run(self._native.created, "DistributedOptimizer()")
 
     def step(self, context_id: int) -> None:
         """Step every owner's optimizer with the gradients of ``context_id``."""

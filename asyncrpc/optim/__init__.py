@@ -186,6 +186,12 @@ class DistributedOptimizer:
             for owner in owners
         ]
 
+    async def created(self) -> None:
+        """Wait until every owner has made its optimizer; raises the error of one that
+        could not (an argument ``optimizer_class`` refuses, say), which the first
+        :meth:`step` would raise otherwise."""
+        await asyncio.gather(*(_made(opt) for opt in self.local_optimizers))
+
     async def step(self, context_id: int) -> None:
         """Step every owner's optimizer with the gradients of ``context_id`` (at once:
         the requests to other owners leave before this worker's own step, which may run
@@ -193,3 +199,11 @@ class DistributedOptimizer:
         await asyncio.gather(
             *(RRef.rpc_async(opt).step(context_id) for opt in self.local_optimizers)
         )
+
+
+async def _made(rref: RRef[Any]) -> None:
+    """Wait until the value of ``rref`` (from ``remote()``) is made, without fetching it."""
+    if rref.is_owner():
+        await asyncio.shield(rref._context.value_of(rref._id))
+    elif rref._creation is not None:
+        await asyncio.shield(rref._creation)

@@ -192,12 +192,13 @@ def exchange(
     if rank == 0:
         _wait_for_ranks(store, "read", world_size, "read the workers' addresses", rank)
     if claims > 1:
-        raise ValueError(f"worker name {name!r} is used by more than one rank")
+        raise ValueError(f"worker name {name!r} is not unique: more than one rank uses it")
     seen: dict[str, int] = {}
     for r in records:
         if r["name"] in seen:
             raise ValueError(
-                f"worker name {r['name']!r} is used by ranks {seen[r['name']]} and {r['rank']}"
+                f"worker name {r['name']!r} is not unique: ranks {seen[r['name']]} and "
+                f"{r['rank']} both use it"
             )
         seen[r["name"]] = r["rank"]
     return records

@@ -134,7 +134,7 @@ class RRefState:
         self.children: dict[ForkId, tuple[RRefId, int]] = {}  # our pinned children: rref, to
         self.lost: set[int] = set()  # workers known dead
         self.gone: set[RRefId] = set()  # freed after a holder died (see the module doc)
-        self._serial = itertools.count(1)
+        self._serial = itertools.count()  # from 0, as torch numbers its ids
 
     def _new_id(self) -> tuple[int, int]:
         return (self.rank, next(self._serial))

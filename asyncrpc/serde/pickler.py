@@ -168,8 +168,16 @@ def loads(payload: bytes | bytearray, buffers: Sequence[Any] = ()) -> Any:
         return pickle.loads(payload, buffers=buffers)
     except SerializationError:
         raise
+    except (AttributeError, ImportError) as exc:  # a function or class not defined here
+        raise SerializationError(f"cannot deserialize payload: {exc!r}; {_BY_REFERENCE}") from exc
     except Exception as exc:
         raise SerializationError(f"cannot deserialize payload: {exc!r}") from exc
+
+
+_BY_REFERENCE = (
+    "the RPC pickler does not serialize function code: functions and classes travel by "
+    "module and name, so define them on both caller and callee"
+)
 
 
 _SHORT = reprlib.Repr()

@@ -2,12 +2,12 @@
 
 Theory of operation
 -------------------
-Only a tensor's own bytes travel.  Its *span* is the storage range its elements
-touch.  When the span holds no more elements than the tensor has (dense
-layouts in any stride order, expanded or overlapping views), the span is sent
-as is and the strides are kept, so a transposed matrix arrives transposed.
-Otherwise (a sliced view with gaps) the tensor is made contiguous first, so a
-10-element view of a 1 GB storage sends 10 elements.
+A tensor's *span* is the storage range its elements touch.  The span is sent as
+is and the strides are kept (a transposed matrix arrives transposed, a sliced
+view arrives as a view with the same strides, as torch's RPC keeps them) unless
+that would waste much: a view with gaps whose span is at least 8 KiB and at
+least twice its elements (torch's rule for recopying) is made contiguous first,
+so a 10-element view of a 1 GB storage sends 10 elements.
 
 The bytes are exposed as a byte memoryview over the tensor's memory, without
 copying: the memoryview's exporter (a ctypes array) holds a reference to the
@@ -53,6 +53,15 @@ def _span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     return 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
 
 
+_RECOPY_FROM = 8 * 1024  # bytes: a smaller span is sent whole, gaps and all (torch's bound)
+
+
+def _wasteful(span: int, numel: int, itemsize: int) -> bool:
+    """Whether sending a view's span would waste much: at least 8 KiB, and at least
+    twice its own elements (torch's rule for when a view is recopied)."""
+    return span * itemsize >= _RECOPY_FROM and span >= 2 * numel
+
+
 def dump_tensor(tensor: torch.Tensor) -> tuple[TensorMeta, memoryview] | None:
     """Split a tensor into header meta and a zero-copy view of its bytes; None for a
     tensor we do not serialise ourselves (not strided, quantized, or on a meta device).
@@ -75,11 +84,12 @@ def dump_tensor(tensor: torch.Tensor) -> tuple[TensorMeta, memoryview] | None:
         data = data.detach().cpu()
     shape, stride = tuple(data.shape), data.stride()
     span = _span(shape, stride)
-    if span > math.prod(shape):  # a view with gaps: send its elements only
+    dtype = data.dtype
+    numel = math.prod(shape)
+    if span > numel and _wasteful(span, numel, dtype.itemsize):  # send its elements only
         data = data.detach().contiguous()
         stride = data.stride()
-        span = math.prod(shape)
-    dtype = data.dtype
+        span = numel
     meta: TensorMeta = (
         _DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch."),
         shape,

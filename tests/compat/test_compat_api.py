@@ -65,6 +65,9 @@ def checks() -> dict[str, Any]:
     rpc.rpc_sync("w1", sleep_a_bit, args=(0.3,), timeout=0)  # 0: no deadline
     with pytest.raises(RuntimeError):
         rpc.rpc_sync("nobody", add, args=(1, 2))
+    with pytest.raises(TypeError, match="failed to match any schema") as no_schema:
+        rpc.rpc_sync("w1", torch.add, args=())  # an operator: torch's RuntimeError too
+    seen["operator_error"] = isinstance(no_schema.value, RuntimeError)
     rref = rpc.remote("w1", add, args=(torch.ones(2), 1))
     seen["rref"] = (type(rref) is rpc.RRef, rref.to_here().tolist(), rref.owner_name())
     mine = rpc.RRef(torch.zeros(1))
@@ -116,6 +119,7 @@ def test_compat_api_on_two_workers() -> None:
     assert seen["wait_all"] == [1, 2, 3]
     assert seen["async_execution"] == 4
     assert seen["timeout_types"]
+    assert seen["operator_error"]
     assert seen["rref"] == (True, [2.0, 2.0], "w1")
     assert seen["nested_to_here"] == [2.0]
     assert seen["worker_info"] == (True, True, True)

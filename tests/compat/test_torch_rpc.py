@@ -36,6 +36,10 @@ QUICK: dict[str, set[str]] = {
         "test_callback_simple",
         "test_wait_all_with_exception",
         "test_rref_proxy_tensor",
+        "test_worker_id",
+        "test_rref_str",
+        "test_rref_proxy_non_exist",
+        "test_non_cont_tensors",
     },
     "DistAutogradTest": {
         "test_backward_simple",
@@ -43,9 +47,10 @@ QUICK: dict[str, set[str]] = {
         "test_backward_rref",
         "test_trainer_ps",
         "test_backward_multiple_round_trips",
+        "test_backward_rref_nested",
     },
     "ReinforcementLearningRpcTest": {"test_rl_rpc"},
-    "DistOptimizerTest": {"test_dist_optim"},
+    "DistOptimizerTest": {"test_dist_optim", "test_dist_optim_exception_on_constructor"},
     "ParameterServerTest": {"test_batch_updating_parameter_server"},
 }
 
@@ -53,58 +58,18 @@ QUICK: dict[str, set[str]] = {
 # ruff: noqa: E501
 # "Suite.test" -> why (docs/compat.md).
 KNOWN_FAILURES: dict[str, str] = {
-    "DistAutogradTest.test_backward_invalid_args": (
-        "message: torch's pybind TypeError ('incompatible function arguments') for roots=None"
-    ),
-    "DistAutogradTest.test_backward_rref_nested": (
-        "to investigate: gradients of an RRef's backward through a nested call differ from the local ones"
-    ),
     "DistAutogradTest.test_backward_unused_send_function": (
-        "semantics: torch's backward waits for a send function that no gradient reaches; asyncrpc's returns"
+        "semantics: torch's backward never returns when a send function gets no gradient (the test checks it still runs after 10 s); asyncrpc's returns once every gradient that can flow has, on purpose"
     ),
     "DistAutogradTest.test_no_grad_copy": (
         "torch internals: checks that gradients are not copied (tensor identity); asyncrpc accumulates copies"
     ),
     "DistAutogradTest.test_no_grad_copy_sparse": ("torch internals: as test_no_grad_copy"),
-    "DistOptimizerTest.test_dist_optim_exception_on_constructor": (
-        "semantics: torch's constructor waits for the remote optimizers and raises their error; asyncrpc's (remote()) raises it at the first step"
-    ),
-    "RpcTest.test_custom_exception_throw_during_reconstruction": (
-        "message: an exception that cannot be rebuilt arrives as RemoteError (a RuntimeError) with asyncrpc's message"
-    ),
-    "RpcTest.test_duplicate_name_2": (
-        "type: a duplicate name is asyncrpc's ValueError ('used by ranks'), torch's RuntimeError ('is not unique')"
-    ),
-    "RpcTest.test_function_not_on_callee": (
-        "message: asyncrpc's SerializationError text, not torch's 'RPC pickler does not serialize'"
-    ),
-    "RpcTest.test_invalid_names": (
-        "message: asyncrpc's name rule and text (torch: 'Worker name must match', 'shorter than 128')"
-    ),
-    "RpcTest.test_local_value_not_on_owner": ("message: torch's text names UserRRef/fork ids"),
-    "RpcTest.test_non_cont_tensors": (
-        "semantics: a view with gaps travels as a contiguous copy of its own elements; torch keeps its strides"
-    ),
-    "RpcTest.test_owner_rref_backward": (
-        "test setup: uses RRef(...) over values compat handles differently (to investigate)"
-    ),
     "RpcTest.test_py_nested_pickle": (
         "torch internals: PythonUDF (in a module-level helper, so the classifier misses it)"
     ),
-    "RpcTest.test_py_raise_in_user_func": (
-        "semantics: torch logs a user function's exception on the callee's stderr; asyncrpc does not"
-    ),
-    "RpcTest.test_rref_proxy_non_exist": (
-        "semantics: torch checks the method on the value's type before rref.remote().m(); asyncrpc raises at the RRef's first use"
-    ),
-    "RpcTest.test_rref_str": (
-        "format: repr(RRef) is asyncrpc's, not torch's OwnerRRef(GloballyUniqueId(...))"
-    ),
     "RpcTest.test_use_rref_after_shutdown": (
-        "message: torch's 'Cannot call to_here() on it after deletion'"
-    ),
-    "RpcTest.test_user_rref_backward": (
-        "to investigate: local-autograd backward of a user RRef (a worker exits early)"
+        "torch internals: its second half pickles the deleted RRef with torch's private internal.serialize, which compat does not provide (its first half, to_here() after shutdown, gets torch's 'Cannot call to_here() on it after deletion')"
     ),
     "RpcTest.test_user_rrefs_confirmed": (
         "semantics: torch runs a function only once the RRef forks in its arguments are confirmed; asyncrpc runs it at once (confirmation follows)"
@@ -115,13 +80,6 @@ KNOWN_FAILURES: dict[str, str] = {
     ),
     "RpcTest.test_wait_all_exit_early_python": (
         "torch.futures: as test_wait_all_exit_early_builtin"
-    ),
-    "RpcTest.test_worker_id": ("message: torch's 'could not find destination'"),
-    "RpcTest.test_wrong_types": (
-        "validation order: init_rpc rendezvouses before it checks backend and option types"
-    ),
-    "TensorPipeAgentDistAutogradTest.test_backward_rref_nested_sparse": (
-        "as test_backward_rref_nested: a remote()'s function runs on its owner outside the caller's autograd context (agent Inbound.invoke runs it in a copy of the agent's base context, not the request's), so the nested rpc_sync it makes is not recorded and the caller's t2 gets no gradient"
     ),
     "TensorPipeAgentRpcTest.test_dynamic_and_static_init_rpc_together": (
         "dynamic membership (no world_size) is not supported"
@@ -135,12 +93,6 @@ KNOWN_FAILURES: dict[str, str] = {
     ),
     "TensorPipeAgentRpcTest.test_dynamic_rpc_new_rank_can_communicated_with_existing_rank": (
         "dynamic membership is not supported"
-    ),
-    "TensorPipeAgentRpcTest.test_op_with_invalid_args": (
-        "type: a builtin's TypeError is re-raised as itself; torch raises RuntimeError ('failed to match any schema')"
-    ),
-    "TensorPipeAgentRpcTest.test_tensorpipe_options_throw_on_timedelta_timeout": (
-        "TensorPipe options: torch's C++ options refuse a timedelta rpc_timeout"
     ),
 }
 

@@ -235,6 +235,25 @@ async def test_a_peer_given_up_for_dead_at_shutdown_is_answered_when_it_shows_up
     assert a.state == b.state == "closed"
 
 
+def fails_on_purpose(why: str) -> None:
+    raise ValueError(why)
+
+
+async def test_a_failed_call_is_logged_on_the_callee(
+    pair: tuple[RpcAgent, RpcAgent], caplog: pytest.LogCaptureFixture
+) -> None:
+    a, _ = pair
+    caplog.set_level("INFO", logger="asyncrpc.agent.calls")
+    with pytest.raises(ValueError, match="on purpose"):
+        await a.rpc_async("b", fails_on_purpose, ("on purpose",))
+    (record,) = [r for r in caplog.records if r.name == "asyncrpc.agent.calls"]
+    assert record.levelname == "INFO"
+    message = record.getMessage()
+    assert "'b'" in message and "fails_on_purpose" in message and "'a'" in message
+    assert "ValueError('on purpose')" in message
+    assert record.exc_info is not None and record.exc_info[0] is ValueError  # the traceback
+
+
 async def test_an_internal_error_fails_the_link_with_its_cause_and_is_logged(
     pair: tuple[RpcAgent, RpcAgent],
     monkeypatch: pytest.MonkeyPatch,

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from asyncrpc import RRef, autograd, nn, optim, remote
-from asyncrpc.agent import AgentOptions, RpcAgent, async_execution, on_loop, set_default_agent
+from asyncrpc.agent import (
+    AgentOptions,
+    RpcAgent,
+    async_execution,
+    current_agent,
+    on_loop,
+    set_default_agent,
+)
 from asyncrpc.autograd.context import contexts_of
 from tests.in_process import joined_agents
 
@@ -288,6 +295,21 @@ async def test_optimizer_arguments_are_checked_as_torch_checks_them(trio: Agents
             await opt.step(ctx)
 
 
+class RefusingOptimizer(torch.optim.SGD):
+    def __init__(self, params: Any) -> None:
+        raise ValueError("this optimizer refuses its parameters")
+
+
+async def test_optimizer_created_raises_an_owners_constructor_error(trio: Agents) -> None:
+    server = remote("b", Server)
+    params = [await server.rpc_async().parameter(), RRef(weights(2, seed=18))]
+    fine = optim.DistributedOptimizer(torch.optim.SGD, params, lr=0.1)
+    await fine.created()  # both owners (b, and a itself) made theirs
+    refused = optim.DistributedOptimizer(RefusingOptimizer, params)
+    with pytest.raises(ValueError, match="refuses its parameters"):
+        await refused.created()
+
+
 def failing_stage(h: torch.Tensor) -> torch.Tensor:
     return BadBackward.apply(h)
 
@@ -349,6 +371,62 @@ async def test_rref_backward_runs_on_the_owner(trio: Agents) -> None:
 
 def scalar_loss(h: torch.Tensor) -> torch.Tensor:
     return (h @ W_B).pow(2).sum()
+
+
+def add_to_rref(rref: RRef[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    return RRef.local_value(rref) * 2 + h
+
+
+async def add_to_rref_on(owner: str, rref: RRef[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    """Made by ``remote()``: its nested call must run in the creator's autograd context."""
+    agent = current_agent()
+    assert agent is not None
+    return await agent.rpc_async(owner, add_to_rref, (rref, h))  # type: ignore[no-any-return]
+
+
+async def test_remote_value_made_by_a_nested_call_is_recorded(trio: Agents) -> None:
+    c = trio[2]
+    h = weights(3, 3, seed=19)
+    async with autograd.context() as ctx:
+        on_c = remote("c", weights, (3, 3), {"seed": 20})
+        made_on_b = remote("b", add_to_rref_on, ("c", on_c, h * 1))
+        await autograd.backward(ctx, [(await made_on_b.to_here()).pow(2).sum()])
+        got_h = autograd.get_gradients(ctx)[h]
+        w_c = await on_c.to_here()  # a copy: c's own tensor is its only leaf there
+        (got_w_c,) = grads_on(c, ctx).values()
+    want_h, want_w_c = torch.autograd.grad((w_c * 2 + h * 1).pow(2).sum(), [h, w_c])
+    assert close(got_h, want_h) and close(got_w_c, want_w_c)
+
+
+def identity(value: Any) -> Any:
+    return value
+
+
+async def test_rref_backward_waits_for_its_value_and_needs_a_tensor(trio: Agents) -> None:
+    w_a = weights(2, 4, seed=17)
+    async with autograd.context() as ctx:
+        mine = remote("a", scalar_loss, (w_a * 1,))  # made in a pool thread: not yet made
+        await mine.backward(ctx)
+        got = autograd.get_gradients(ctx)[w_a]
+        text = remote("b", identity, ("foo",))
+        with pytest.raises(TypeError, match=r"RRef should contain a tensor for \.backward\(\)"):
+            await text.backward(ctx)  # checked before b is asked for a context it never saw
+    assert close(got, torch.autograd.grad(scalar_loss(w_a * 1), [w_a])[0])
+
+
+async def test_backward_refuses_roots_it_cannot_start_from(trio: Agents) -> None:
+    leaf = torch.ones(1, requires_grad=True)
+    cases: list[tuple[list[Any], type[Exception], str]] = [
+        ([], ValueError, "No tensors provided"),
+        ([torch.ones(1)], ValueError, "requires_grad not set"),
+        ([leaf * torch.ones(3)], ValueError, "is not a scalar, all roots need to be scalar"),
+        ([leaf], ValueError, "does not have a valid gradient function"),
+        (["loss"], TypeError, "not a tensor"),
+    ]
+    async with autograd.context() as ctx:
+        for roots, error, message in cases:
+            with pytest.raises(error, match=message):
+                await autograd.backward(ctx, roots)
 
 
 async def test_contexts_a_lost_worker_opened_are_freed_on_the_survivors(trio: Agents) -> None:

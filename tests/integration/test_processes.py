@@ -53,10 +53,12 @@ def test_errors_name_worker_function_and_cause(loop: str, transport: str) -> Non
     assert seen["unpicklable_argument"]["error"] == "SerializationError"
     assert seen["unknown_worker"]["error"] == "UnknownWorkerError"
     assert "nobody" in seen["unknown_worker"]["message"]
+    assert "'w0' could not find destination" in seen["unknown_worker"]["message"]
 
     unknown = seen["unknown_function"]
     assert unknown["error"] == "SerializationError"
     assert "w1" in unknown["message"] and "only_on_caller" in unknown["message"]
+    assert "does not serialize function code" in unknown["message"]
 
     for key in ("timeout", "thread_timeout"):
         assert seen[key]["error"] == "RPCTimeoutError" and seen[key]["timeout"]

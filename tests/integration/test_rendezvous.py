@@ -53,7 +53,7 @@ def test_duplicate_worker_names_fail_on_every_rank(tmp_path: Path, store: str) -
         env["TEST_INIT_METHOD"] = f"file://{tmp_path / 'store'}"
     for worker in run_job("rendezvous", env=env):
         assert worker.result["init_error"] == "ValueError"
-        assert "'same'" in worker.result["message"]
+        assert "'same' is not unique" in worker.result["message"]
 
 
 def test_a_missing_worker_is_named_on_every_rank() -> None:

@@ -101,7 +101,9 @@ def remote_created(creator: RRefState, owner: RRefState) -> tuple[RRefId, ForkId
 def test_local_create_and_drop_frees() -> None:
     owner = RRefState(A)
     rref = owner.create_local()
-    assert rref == (A, 1)
+    assert rref == (A, 0)  # ids count from 0 on each worker, as torch's do
+    assert owner.create_remote(B) == ((A, 1), (A, 2))  # one serial for RRefs and forks
+    del owner.held[(A, 1)]
     assert owner.owned[rref].handles == 1 and owner.owned[rref].created
     assert owner.handle_dropped(rref) == [Free(rref)]
     assert is_empty(owner)

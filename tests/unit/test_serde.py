@@ -152,14 +152,35 @@ def test_permuted_3d_keeps_strides() -> None:
     assert got.stride() == t.stride()
 
 
-def test_strided_slice_becomes_contiguous_and_sends_only_its_elements() -> None:
-    x = torch.arange(40, dtype=torch.float64).reshape(4, 10)
-    t = x[:, ::2]
+def test_small_view_with_gaps_keeps_its_strides() -> None:
+    """As in torch: a view spanning under 8 KiB travels with its gaps (no copy)."""
+    x = torch.rand(5, 5)
+    t = x.narrow(1, 2, 2)
+    payload, buffers = dumps(t)
+    assert [len(b) for b in buffers] == [(1 + 4 * 5 + 1) * 4]  # its span, from (0, 2)
+    got = loads(payload, receive(buffers))
+    assert_same_tensor(got, t)
+    assert got.stride() == t.stride() == (5, 1) and not got.is_contiguous()
+
+
+def test_large_view_mostly_gaps_becomes_contiguous_and_sends_only_its_elements() -> None:
+    x = torch.arange(4000, dtype=torch.float64).reshape(40, 100)
+    t = x[:, ::3]  # span 4 k elements (32 KB) for 1.4 k
     payload, buffers = dumps(t)
     assert [len(b) for b in buffers] == [t.numel() * t.element_size()]
     got = loads(payload, receive(buffers))
     assert_same_tensor(got, t)
     assert got.is_contiguous()
+
+
+def test_large_view_with_few_gaps_keeps_its_strides() -> None:
+    x = torch.arange(4000, dtype=torch.float64).reshape(40, 100)
+    t = x[:, 1:]  # span under twice its elements: sent whole, strides kept
+    payload, buffers = dumps(t)
+    assert [len(b) for b in buffers] == [(1 + 39 * 100 + 98) * 8]
+    got = loads(payload, receive(buffers))
+    assert_same_tensor(got, t)
+    assert got.stride() == (100, 1)
 
 
 def test_offset_view_of_a_large_tensor_sends_only_its_bytes() -> None:
@@ -310,6 +331,27 @@ def test_loads_garbage_raises_serialization_error(payload: bytes) -> None:
         loads(payload, [])
 
 
+def only_on_the_sender() -> None:
+    """Pickled by reference; removed from this module before unpickling."""
+
+
+def test_loads_of_a_function_missing_here_says_code_is_not_sent() -> None:
+    payload, buffers = dumps(only_on_the_sender)
+    del globals()["only_on_the_sender"]  # as on a callee that lacks it
+    try:
+        with pytest.raises(SerializationError) as info:
+            loads(payload, buffers)
+    finally:
+        globals()["only_on_the_sender"] = _keep
+    message = str(info.value)
+    assert "only_on_the_sender" in message
+    assert "does not serialize function code" in message
+    assert "define them on both caller and callee" in message
+
+
+_keep = only_on_the_sender
+
+
 def test_loads_missing_buffers_raises_serialization_error() -> None:
     payload, buffers = dumps(torch.ones(3))
     assert len(buffers) == 1
@@ -363,7 +405,7 @@ def test_buffer_keeps_the_tensor_alive() -> None:
 def test_buffer_keeps_a_contiguous_copy_alive() -> None:
     """A gapped view is copied to a temporary: the buffer alone must keep that copy alive."""
     x = torch.arange(16_000, dtype=torch.float32).reshape(80, 200)
-    t = x[:, ::2]
+    t = x[:, ::4]
     expected = raw_bytes(t)
     _, buffers = dumps(t)
     del x, t

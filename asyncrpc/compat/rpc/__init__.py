@@ -8,6 +8,7 @@ to stand-ins that raise when used.
 
 from asyncrpc.compat._private import private_getattr
 from asyncrpc.compat.errors import (
+    ConfigurationError,
     PeerLostError,
     RemoteError,
     RPCTimeoutError,
@@ -38,6 +39,7 @@ __getattr__ = private_getattr("torch.distributed.rpc")
 
 __all__ = (
     "BackendType",
+    "ConfigurationError",
     "PeerLostError",
     "RPCTimeoutError",
     "RRef",

@@ -19,17 +19,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
+import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, cast
 
 import torch
+from torch.jit._builtins import _find_builtin as _find_untyped
 
 import asyncrpc.api as native_api
 from asyncrpc.agent import RpcAgent, current_agent
+from asyncrpc.agent.dispatch import function_name
 from asyncrpc.compat import _runtime
 from asyncrpc.compat._private import private_getattr
-from asyncrpc.compat.errors import convert
+from asyncrpc.compat.errors import ConfigurationError, OperatorError, convert
+from asyncrpc.compat.rpc.backend_registry import BackendType
 from asyncrpc.compat.rpc.constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 from asyncrpc.compat.rpc.options import RpcBackendOptions, TensorPipeRpcBackendOptions
 from asyncrpc.compat.rpc.rref import RRef, WorkerInfo, worker_info
@@ -46,6 +51,7 @@ __all__ = (
     "shutdown",
 )
 
+_find_builtin: Callable[[object], str | None] = _find_untyped  # torch's table of operators
 _thread_local_var = threading.local()  # torch's: `_wait_all` collects futures in it
 _ignore_rref_leak = True  # torch's flag; asyncrpc checks leaks in its own tests
 
@@ -61,8 +67,8 @@ def init_rpc(
     asyncrpc is the backend).  ``rank=-1`` and ``world_size=None`` read ``RANK`` and
     ``WORLD_SIZE``; the options give ``init_method``, ``rpc_timeout`` and
     ``num_worker_threads``.  Blocks until every worker has joined."""
+    _check_arguments(backend, rpc_backend_options)
     options = rpc_backend_options or TensorPipeRpcBackendOptions()
-    _check_options(options)
     if _runtime.is_running():
         raise AgentStateError("RPC is already initialized: call shutdown() first")
     native = current_agent()
@@ -74,8 +80,9 @@ def init_rpc(
     threads = getattr(options, "num_worker_threads", 16)
     _runtime.start(threads)
     RRefContext.handle_type = RRef  # before joining: peers may call us at once
+    _failed_calls.show()
     try:
-        _runtime.run(
+        _join(
             lambda: native_api.init_rpc(
                 name,
                 rank=None if rank is None or rank < 0 else rank,
@@ -83,19 +90,74 @@ def init_rpc(
                 init_method=options.init_method,
                 rpc_timeout=options.rpc_timeout,
                 num_worker_threads=threads,
-            ),
-            "init_rpc",
+            )
         )
     except BaseException:
         RRefContext.handle_type = None
+        _failed_calls.hide()
         _runtime.stop()
         raise
 
 
-def _check_options(options: RpcBackendOptions) -> None:
-    if not isinstance(options, RpcBackendOptions):
+class _StderrHandler(logging.StreamHandler[Any]):
+    """Writes to whatever ``sys.stderr`` is when a record comes (torch prints there)."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: Any) -> None:
+        pass
+
+
+class _FailedCalls:
+    """torch prints a user function's exception on the callee's stderr; asyncrpc logs it
+    (``asyncrpc.agent.calls``, INFO): while compat runs, those records go to stderr."""
+
+    def __init__(self) -> None:
+        self.handler = _StderrHandler()
+        self.handler.setLevel(logging.INFO)
+        self.logger = logging.getLogger("asyncrpc.agent.calls")
+        self.set_level = False
+
+    def show(self) -> None:
+        self.logger.addHandler(self.handler)
+        if self.logger.level == logging.NOTSET:  # (a level the user chose is kept)
+            self.logger.setLevel(logging.INFO)
+            self.set_level = True
+
+    def hide(self) -> None:
+        self.logger.removeHandler(self.handler)
+        if self.set_level:
+            self.logger.setLevel(logging.NOTSET)
+            self.set_level = False
+
+
+_failed_calls = _FailedCalls()
+
+
+def _join(start: Callable[[], Awaitable[None]]) -> None:
+    """Run the native ``init_rpc``; a bad name, rank or world size, or a name two
+    workers share, is torch's ``RuntimeError`` (and still a ``ValueError``)."""
+    try:
+        _runtime.run(start, "init_rpc")
+    except ValueError as exc:
+        if isinstance(exc, RuntimeError):
+            raise
+        raise ConfigurationError(str(exc)) from exc
+
+
+def _check_arguments(backend: Any, options: Any) -> None:
+    """torch's checks of ``init_rpc``'s argument types, before anything starts."""
+    if backend is not None and not isinstance(backend, BackendType):
         raise TypeError(
-            f"rpc_backend_options must be TensorPipeRpcBackendOptions, not {type(options)}"
+            f"Argument backend must be a member of BackendType, not {type(backend).__name__}"
+        )
+    if options is not None and not isinstance(options, RpcBackendOptions):
+        raise TypeError(
+            "Argument rpc_backend_options must be an instance of RpcBackendOptions, not "
+            f"{type(options).__name__}"
         )
     if getattr(options, "device_maps", None):
         raise ValueError("asyncrpc has no device maps: leave device_maps empty")
@@ -110,6 +172,7 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
         _runtime.run(lambda: native_api.shutdown(graceful, bound), "shutdown")
     finally:
         RRefContext.handle_type = None
+        _failed_calls.hide()
         _runtime.stop()
 
 
@@ -132,7 +195,8 @@ def rpc_sync(
     ``timeout``: seconds; ``-1`` (unset) the default, ``0`` none."""
     seconds = _runtime.value_or_none(timeout)
     return _runtime.run(
-        lambda: native_api.rpc_async(to, func, _args(args), kwargs, seconds), f"rpc_sync to {to}"
+        lambda: native_api.rpc_async(to, _callable(func), _args(args), kwargs, seconds),
+        f"rpc_sync to {to}",
     )
 
 
@@ -146,7 +210,8 @@ def rpc_async(
     """Start ``func(*args, **kwargs)`` on worker ``to``; returns a ``torch.futures.Future``."""
     seconds = _runtime.value_or_none(timeout)
     future = _runtime.start_torch_future(
-        lambda: native_api.rpc_async(to, func, _args(args), kwargs, seconds), f"rpc_async to {to}"
+        lambda: native_api.rpc_async(to, _callable(func), _args(args), kwargs, seconds),
+        f"rpc_async to {to}",
     )
     collected = getattr(_thread_local_var, "future_list", None)
     if collected is not None:
@@ -164,13 +229,48 @@ def remote(
     """Run ``func`` on worker ``to`` and keep the result there; returns its RRef at once."""
     seconds = _runtime.value_or_none(timeout)
     rref = _runtime.call(
-        lambda: native_remote(to, func, _args(args), kwargs, seconds), f"remote to {to}"
+        lambda: native_remote(to, _callable(func), _args(args), kwargs, seconds), f"remote to {to}"
     )
     return cast(RRef[Any], rref)  # compat makes every handle an RRef
 
 
 def _args(args: Any) -> tuple[Any, ...]:
     return () if args is None else tuple(args)
+
+
+def _callable(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func``, or, for a torch operator (``torch.add``), a wrapper that reports
+    arguments matching none of its schemas as torch does (see :class:`_Operator`)."""
+    if _find_builtin(func) is not None:
+        return _Operator(func)
+    return func
+
+
+class _Operator:
+    """A torch operator sent by compat.  torch runs an operator called by RPC by its
+    schema, so arguments that match none is a ``RuntimeError`` ("Overloaded torch
+    operator invoked from Python failed to match any schema"): here an
+    :class:`~asyncrpc.compat.errors.OperatorError`, which is also the ``TypeError``
+    Python raises."""
+
+    __slots__ = ("op", "rpc_name")
+
+    def __init__(self, op: Callable[..., Any]) -> None:
+        self.op = op
+        self.rpc_name = function_name(op)
+
+    def __reduce__(self) -> Any:
+        return _Operator, (self.op,)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.op(*args, **kwargs)
+        except TypeError as exc:
+            if isinstance(exc, RuntimeError):
+                raise
+            raise OperatorError(
+                f"Overloaded torch operator invoked from Python failed to match any schema: {exc}"
+            ) from exc
 
 
 def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:

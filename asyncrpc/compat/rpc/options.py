@@ -9,6 +9,7 @@ are used; TensorPipe's ``device_maps``, ``devices`` and ``_transports`` /
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from asyncrpc.compat.rpc.constants import (
@@ -28,8 +29,19 @@ class RpcBackendOptions:
         rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
         init_method: str = DEFAULT_INIT_METHOD,
     ) -> None:
-        self.rpc_timeout = float(rpc_timeout)
+        self.rpc_timeout = _seconds(type(self).__name__, rpc_timeout)
         self.init_method = init_method
+
+
+def _seconds(options: str, rpc_timeout: object) -> float:
+    """``rpc_timeout`` as float seconds; anything but a real number (a ``timedelta``,
+    say) is refused as torch's C++ constructor refuses it."""
+    if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, numbers.Real):
+        raise TypeError(
+            f"{options}.__init__(): incompatible constructor arguments: rpc_timeout must be "
+            f"a float (seconds), not {type(rpc_timeout).__name__}"
+        )
+    return float(rpc_timeout)
 
 
 class TensorPipeRpcBackendOptions(RpcBackendOptions):

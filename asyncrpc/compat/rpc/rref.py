@@ -21,11 +21,13 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
+import torch
+
 import asyncrpc.api as native_api
 from asyncrpc.agent import WorkerInfo as NativeWorkerInfo
 from asyncrpc.agent import validate_name
 from asyncrpc.compat import _runtime
-from asyncrpc.compat.errors import SerializationError, convert
+from asyncrpc.compat.errors import RRefError, SerializationError, convert
 from asyncrpc.compat.rpc.constants import UNSET_RPC_TIMEOUT
 from asyncrpc.rref import RRef as NativeRRef
 
@@ -40,10 +42,7 @@ class WorkerInfo(NativeWorkerInfo):
     __slots__ = ()
 
     def __init__(self, name: str, worker_id: int) -> None:
-        try:
-            validate_name(name)
-        except ValueError as exc:
-            raise RuntimeError(str(exc)) from None
+        check_name(name)
         if not isinstance(worker_id, int) or worker_id < 0:
             raise RuntimeError(f"worker id must be a non-negative integer, not {worker_id!r}")
         object.__setattr__(self, "name", name)
@@ -64,6 +63,25 @@ class WorkerInfo(NativeWorkerInfo):
         return f"WorkerInfo(id={self.id}, name={self.name})"
 
 
+def check_name(name: object) -> None:
+    """Raise torch's ``RuntimeError`` unless ``name`` is a legal worker name (asyncrpc's
+    rule: 1 to 127 of letters, digits, ``_ : - .``)."""
+    try:
+        validate_name(name)
+    except ValueError as exc:
+        if name == "":
+            raise RuntimeError("Worker name must be non-empty") from exc
+        if isinstance(name, str) and len(name) >= _MAX_NAME_LEN:
+            raise RuntimeError(
+                f"RPC worker name {name[:32]}... ({len(name)} characters) is not shorter "
+                f"than {_MAX_NAME_LEN}"
+            ) from exc
+        raise RuntimeError(f"Worker name must match ^[A-Za-z0-9_:.-]*$, got {name!r}") from exc
+
+
+_MAX_NAME_LEN = 128  # torch's bound (exclusive), and asyncrpc's
+
+
 def worker_info(info: NativeWorkerInfo) -> WorkerInfo:
     """The compat WorkerInfo of a native one."""
     return info if isinstance(info, WorkerInfo) else WorkerInfo(info.name, info.id)
@@ -75,7 +93,7 @@ class RRef(NativeRRef[T]):
     ``RRef(value)`` makes this worker the owner of ``value``.
     """
 
-    __slots__ = ()
+    __slots__ = ("_value_type",)
 
     def __init__(self, value: T, type_hint: Any = None) -> None:
         _runtime.call(lambda: NativeRRef.__init__(self, value), "RRef()")
@@ -86,6 +104,18 @@ class RRef(NativeRRef[T]):
             f"({self!r} pickles only into asyncrpc calls)"
         )
 
+    def __str__(self) -> str:
+        """torch's form: ``OwnerRRef(GloballyUniqueId(...))`` on the owner,
+        ``UserRRef(RRefId = ..., ForkId = ...)`` elsewhere."""
+        if self.is_owner():
+            return f"OwnerRRef({_unique_id(self._id)})"
+        return f"UserRRef(RRefId = {_unique_id(self._id)}, ForkId = {_unique_id(self._fork())})"
+
+    def _fork(self) -> tuple[int, int] | None:
+        """This worker's fork of the RRef (None once released)."""
+        held = self._context.state.held.get(self._id)
+        return None if held is None else held.fork
+
     def owner(self) -> WorkerInfo:
         """The owner's WorkerInfo."""
         return worker_info(super().owner())
@@ -93,7 +123,14 @@ class RRef(NativeRRef[T]):
     def local_value(self) -> T:
         """The value itself, on the owner (waiting for it to be made, as torch does,
         except on the event loop thread); elsewhere ``RuntimeError``."""
-        if self.is_owner() and _runtime.is_running() and not _runtime.running().on_loop_thread():
+        if not self.is_owner():
+            raise RRefError(
+                f"For UserRRef(rref_id={_unique_id(self._id)}, "
+                f"fork_id={_unique_id(self._fork())}), can't call localValue() on user "
+                f"{worker_info(self._context.agent.info)!r}. Call it on owner {self.owner()!r} "
+                "(or use to_here() here)"
+            )
+        if _runtime.is_running() and not _runtime.running().on_loop_thread():
             return _runtime.run(lambda: NativeRRef.to_here(self), "RRef.local_value()")
         try:
             return super().local_value()
@@ -102,6 +139,11 @@ class RRef(NativeRRef[T]):
 
     def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> T:  # type: ignore[override]  # torch's blocking form
         """A copy of the value (the value itself on the owner); blocks."""
+        if self._context.closed:
+            raise RRefError(
+                f"{self} was deleted by shutdown() (its worker's RRefs are released). "
+                "Cannot call to_here() on it after deletion."
+            )
         seconds = _runtime.value_or_none(timeout)
         return _runtime.run(lambda: NativeRRef.to_here(self, seconds), f"{self!r}.to_here()")
 
@@ -119,23 +161,23 @@ class RRef(NativeRRef[T]):
 
     def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:  # type: ignore[override]  # torch's blocking form
         """Backward pass from the RRef's scalar value: distributed, in context
-        ``dist_autograd_ctx_id``; or, with ``-1``, local autograd on the owner."""
+        ``dist_autograd_ctx_id``; or, with ``-1`` and only on the owner, local autograd."""
         if dist_autograd_ctx_id == -1:
-            if self.is_owner():
-                _local_backward(self, retain_graph)
-            else:
-                _runtime.run(
-                    lambda: native_api.rpc_async(
-                        self._owner, _local_backward, (self, retain_graph)
-                    ),
-                    f"{self!r}.backward()",
+            if not self.is_owner():
+                raise RRefError(
+                    f"User RRefs require 'dist_autograd_ctx_id' to be specified ({self!r} "
+                    "is owned elsewhere: local autograd runs only on its owner)"
                 )
+            _local_backward(self.local_value(), retain_graph)
             return
         context_id = dist_autograd_ctx_id
-        from asyncrpc.compat.autograd import _retrieve_context  # noqa: PLC0415  # imports us
+        from asyncrpc.compat.autograd import (  # noqa: PLC0415  # it imports us
+            _retrieve_context,
+            run_engine,
+        )
 
         _retrieve_context(context_id)  # torch's error for an unknown context, before sending
-        _runtime.run(
+        run_engine(
             lambda: NativeRRef.backward(self, context_id, retain_graph), f"{self!r}.backward()"
         )
 
@@ -151,10 +193,35 @@ class RRef(NativeRRef[T]):
             )
         return future.wait() if blocking else future
 
+    def _check_method(self, method: str, timeout: float | None) -> None:
+        """torch looks ``method`` up on the value's type (fetched once per handle) before
+        ``rref.remote().method()`` sends anything, so a missing one is an
+        ``AttributeError`` at once.  Not on the loop thread, which must not block: there
+        the RRef's first use raises it."""
+        if _runtime.running().on_loop_thread():
+            return
+        value_type = getattr(self, "_value_type", None)
+        if value_type is None:
+            value_type = self._value_type = self._get_type(
+                UNSET_RPC_TIMEOUT if timeout is None else timeout
+            )
+        getattr(value_type, method)
 
-def _local_backward(rref: NativeRRef[Any], retain_graph: bool) -> None:
-    """On the owner: local autograd from the RRef's scalar value (``.grad`` accumulates)."""
-    NativeRRef.local_value(rref).backward(retain_graph=retain_graph)
+
+def _unique_id(id_: tuple[int, int] | None) -> str:
+    """An RRef or fork id as torch prints it."""
+    if id_ is None:
+        return "None"
+    return f"GloballyUniqueId(created_on={id_[0]}, local_id={id_[1]})"
+
+
+def _local_backward(value: object, retain_graph: bool) -> None:
+    """Local autograd from an RRef's scalar value (``.grad`` accumulates)."""
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError(
+            f"RRef should contain a tensor for .backward(), not a {type(value).__name__}"
+        )
+    torch.autograd.backward(value, retain_graph=retain_graph)
 
 
 async def _value_type(rref: NativeRRef[Any]) -> type:
@@ -176,6 +243,7 @@ class _Proxy:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             if kind == "remote":
+                rref._check_method(method, timeout)
                 proxy = NativeRRef.remote(rref, timeout)
                 return _runtime.call(lambda: getattr(proxy, method)(*args, **kwargs), what)
             native = NativeRRef.rpc_async(rref, timeout)
