@@ -271,6 +271,7 @@ def _row(label: str, counts: Any) -> str:
     columns = ("tests", "out", "public", "shim", "pass", "fail", "pass (public)")
     return f"| {label} | " + " | ".join(str(counts[c]) for c in columns) + " |"
 
+
 if __name__ == "__main__":
     from tests.compat.test_torch_rpc import KNOWN_FAILURES
 
