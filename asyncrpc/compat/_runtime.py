@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import torch
 import uvloop
 
+from asyncrpc.agent import RpcAgent, current_agent
 from asyncrpc.compat.errors import convert
 from asyncrpc.errors import AgentStateError
 
@@ -104,6 +105,15 @@ def running() -> Runtime:
             "RPC has not been initialized: call `asyncrpc.compat.rpc.init_rpc(...)` first"
         )
     return _runtime
+
+
+def agent() -> RpcAgent:
+    """This process's agent, started by compat's ``init_rpc``; raises if there is none."""
+    running()
+    found = current_agent()
+    if found is None:
+        raise AgentStateError("RPC has not been initialized: call `rpc.init_rpc(...)` first")
+    return found
 
 
 def is_running() -> bool:

@@ -20,11 +20,9 @@ from typing import Any
 import torch
 
 import asyncrpc.autograd as native
-from asyncrpc.agent import RpcAgent, current_agent
 from asyncrpc.autograd.context import AutogradContext, contexts_of, current_context_id
 from asyncrpc.compat import _runtime
 from asyncrpc.compat._private import private_getattr
-from asyncrpc.errors import AgentStateError
 
 __all__ = ("backward", "context", "get_gradients")
 
@@ -40,7 +38,7 @@ class context:  # noqa: N801  # torch's name
         self._id: int | None = None
 
     def __enter__(self) -> int:
-        agent = _agent()
+        agent = _runtime.agent()
         if current_context_id.get() is not None:
             raise RuntimeError(
                 "Already have an autograd context id for this thread "
@@ -58,7 +56,7 @@ class context:  # noqa: N801  # torch's name
         traceback: TracebackType | None,
     ) -> None:
         current_context_id.reset(self._token)
-        contexts = contexts_of(_agent())
+        contexts = contexts_of(_runtime.agent())
         context_id = self._id
         assert context_id is not None
         _runtime.call(lambda: contexts.release_everywhere(context_id), "dist_autograd.context")
@@ -103,7 +101,7 @@ def run_engine(start: Callable[[], Awaitable[None]], what: str) -> None:
 
 def _node_of(error: BaseException) -> int:
     """The rank of the worker where ``error`` was raised (torch's "Node")."""
-    agent = _agent()
+    agent = _runtime.agent()
     worker = getattr(error, "remote_worker", None)
     return agent.info.id if worker is None else agent.resolve(worker).rank
 
@@ -124,7 +122,7 @@ def _current_context() -> AutogradContext:
 
 def _retrieve_context(context_id: int) -> AutogradContext:
     """The context of that id on this worker (torch's private helper)."""
-    found = contexts_of(_agent()).live.get(context_id)
+    found = contexts_of(_runtime.agent()).live.get(context_id)
     if found is None:
         raise RuntimeError(f"Could not find autograd context with id: {context_id}")
     return found
@@ -132,12 +130,4 @@ def _retrieve_context(context_id: int) -> AutogradContext:
 
 def _is_valid_context(context_id: int) -> bool:
     """Whether this worker knows the context."""
-    return context_id in contexts_of(_agent()).live
-
-
-def _agent() -> RpcAgent:
-    _runtime.running()
-    agent = current_agent()
-    if agent is None:
-        raise AgentStateError("RPC has not been initialized: call `rpc.init_rpc(...)` first")
-    return agent
+    return context_id in contexts_of(_runtime.agent()).live

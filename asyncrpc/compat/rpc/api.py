@@ -29,7 +29,7 @@ import torch
 from torch.jit._builtins import _find_builtin as _find_untyped
 
 import asyncrpc.api as native_api
-from asyncrpc.agent import RpcAgent, current_agent
+from asyncrpc.agent import current_agent
 from asyncrpc.agent.dispatch import function_name
 from asyncrpc.compat import _runtime
 from asyncrpc.compat._private import private_getattr
@@ -176,14 +176,6 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
         _runtime.stop()
 
 
-def _agent() -> RpcAgent:
-    _runtime.running()
-    agent = current_agent()
-    if agent is None:
-        raise AgentStateError("RPC has not been initialized: call `rpc.init_rpc(...)` first")
-    return agent
-
-
 def rpc_sync(
     to: str | int | WorkerInfo,
     func: Callable[..., Any],
@@ -283,17 +275,17 @@ def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
 
 def get_rpc_timeout() -> float:
     """The default timeout of calls, in seconds."""
-    return _agent().options.rpc_timeout
+    return _runtime.agent().options.rpc_timeout
 
 
 def _set_rpc_timeout(rpc_timeout: float) -> None:
     """Change the default timeout of later calls (torch's private helper)."""
-    agent = _agent()
+    agent = _runtime.agent()
     agent.options = dataclasses.replace(agent.options, rpc_timeout=float(rpc_timeout))
 
 
 def _worker_infos() -> list[WorkerInfo]:
-    agent = _agent()
+    agent = _runtime.agent()
     infos: list[WorkerInfo] = []
     rank = 0
     while True:
@@ -351,7 +343,7 @@ class _CurrentAgent:
 
 def _get_current_rpc_agent() -> _CurrentAgent:
     """torch's private accessor, answering ``get_worker_infos()`` and the like."""
-    _agent()
+    _runtime.agent()
     return _CurrentAgent()
 
 
