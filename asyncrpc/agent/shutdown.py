@@ -32,8 +32,8 @@ A peer is dead for the barrier once it is lost (the agent reports
 :meth:`~ShutdownBarrier.peer_lost`) or cannot be dialled, unless it already
 announced phase 2 (it is finished, not dead); it is alive again once reached or
 once it announces a phase.  :meth:`~ShutdownBarrier.give_up` (the shutdown's
-time ran out) names the peers still missing and ends the machine: it ignores
-every later event.
+time ran out, or the agent closes) names the peers still missing and ends the
+machine: it ignores every later event.
 """
 
 from __future__ import annotations
@@ -57,15 +57,12 @@ class Lifecycle(StrEnum):
     CLOSING = "closing"
     CLOSED = "closed"
 
-    @property
-    def usable(self) -> bool:
-        """Whether calls may start (and a lost peer matters)."""
-        return self in (Lifecycle.RUNNING, Lifecycle.DRAINING)
+    usable: bool  # calls may start, and a lost peer matters (read on every call: no property)
+    ending: bool  # closing or closed
 
-    @property
-    def ending(self) -> bool:
-        """Whether the agent is closing or closed."""
-        return self in (Lifecycle.CLOSING, Lifecycle.CLOSED)
+    def __init__(self, value: str) -> None:
+        self.usable = value in ("running", "draining")
+        self.ending = value in ("closing", "closed")
 
 
 class Stage(Enum):
@@ -180,7 +177,8 @@ class ShutdownBarrier(Generic[L]):
         return self._check()
 
     def give_up(self) -> GaveUp:
-        """The time ran out: who was missing.  Every later event is ignored."""
+        """The time ran out (or the agent closes): who was missing.  Every later event
+        is ignored."""
         self.stage = Stage.GAVE_UP
         first = next((phase for phase in PHASES if self.missing(phase)), PHASES[-1])
         return GaveUp(first, self.missing(first))
