@@ -69,7 +69,7 @@ class Stage(Enum):
     IDLE = auto()  # no phase started yet: record what peers announce and who is lost
     WAITING = auto()  # phase ``phase`` started: reaching peers, waiting for theirs
     PASSED = auto()  # phase ``phase`` is complete
-    GAVE_UP = auto()  # the time ran out: ignore everything
+    GAVE_UP = auto()  # the time ran out, or the agent closes: ignore everything
 
 
 @dataclass(frozen=True, slots=True)
