@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from asyncrpc.agent import (
     AgentOptions,
+    Lifecycle,
     RpcAgent,
     WorkerAddress,
     WorkerInfo,
@@ -74,7 +75,7 @@ async def init_rpc(
     long blocking work rather than raising it).  Returns once every worker has joined.
     """
     running = current_agent()
-    if running is not None and running.state != "closed":
+    if running is not None and running.state is not Lifecycle.CLOSED:
         raise AgentStateError("init_rpc was already called in this process; call shutdown first")
     validate_name(name)
     rank = _from_env("RANK") if rank is None else rank

@@ -10,6 +10,7 @@ from asyncrpc.agent.agent import (
 )
 from asyncrpc.agent.dispatch import async_execution, on_loop
 from asyncrpc.agent.notices import on_notice
+from asyncrpc.agent.shutdown import Lifecycle
 from asyncrpc.agent.transfer import Transfer, current_transfer, propagate, start_after
 from asyncrpc.agent.worker import WorkerAddress, WorkerInfo, validate_name
 
@@ -17,6 +18,7 @@ __all__ = (
     "DEFAULT_BUSY_POLL",
     "AgentOptions",
     "Extension",
+    "Lifecycle",
     "RpcAgent",
     "Transfer",
     "WorkerAddress",

@@ -35,7 +35,14 @@ for our own calls to finish, tell every peer SHUTDOWN, and wait until every
 peer has said so too or is known dead.  Now no user code anywhere starts a
 call.  Then every extension drains (the RRef layer gives back its handles to
 their owners), and phase 2 repeats the barrier, so nobody closes while a peer
-still talks to it.  Then close.  Every wait is bounded.
+still talks to it.  Then close.  Who announced what and who is dead is the
+sans-IO :class:`~asyncrpc.agent.shutdown.ShutdownBarrier`'s; the agent feeds it
+events (a SHUTDOWN frame, a link established or lost, a dial's outcome) and
+carries out its actions (reach a peer, tell a link, a phase passed).  Each dial
+is bounded by ``connect_timeout``; ``shutdown(timeout=...)`` bounds the whole.
+Unbounded by design: ``shutdown(timeout=None)`` waits in phase 1 for live peers
+as long as they live (and for our own calls, each bounded by its timeout unless
+it has none), and ``timeout=0`` waits without a bound throughout.
 
 Extensions: upper layers (RRefs, distributed autograd) attach one object each
 with :meth:`RpcAgent.extension`; the agent tells them of lost peers, lets them
@@ -58,6 +65,15 @@ from asyncrpc.agent.dispatch import function_name, unpack_error
 from asyncrpc.agent.inbound import Inbound
 from asyncrpc.agent.notices import Notices, delivered, handle
 from asyncrpc.agent.polling import BusyPoller
+from asyncrpc.agent.shutdown import (
+    PHASES,
+    Lifecycle,
+    Passed,
+    Reach,
+    ShutdownBarrier,
+    Tell,
+)
+from asyncrpc.agent.shutdown import Action as ShutdownAction
 from asyncrpc.agent.transfer import Undo, carried, dumps_for, loads_from, undo
 from asyncrpc.agent.worker import WorkerAddress, WorkerInfo
 from asyncrpc.errors import (
@@ -191,16 +207,14 @@ class RpcAgent:
         self._notices = Notices()
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Future[Any]] = set()
-        self._idle = asyncio.Event()
+        self._idle = asyncio.Event()  # no call of ours pending
         self._idle.set()
-        self._peers_done: dict[int, set[str]] = {1: set(), 2: set()}  # by barrier phase
-        self._dead: set[str] = set()
-        self._phases_reached: set[int] = set()  # barrier phases this worker has announced
+        self._shutdown: ShutdownBarrier[Link] = ShutdownBarrier(())  # with the peers: join()
+        self._phase_passed = {phase: asyncio.Event() for phase in PHASES}
         # Frames that arrive before join(): a peer that finished the rendezvous first may
         # call us already, and our calls' handlers need to know every worker.
         self._early_frames: list[tuple[Link, Frame]] | None = []
-        self._barrier_changed = asyncio.Event()
-        self.state = "new"
+        self.state = Lifecycle.NEW
         self.closing_debug_info: dict[str, Any] = {}
 
     # -- lifecycle -----------------------------------------------------------------
@@ -218,7 +232,7 @@ class RpcAgent:
             self._servers.append(server)
             addresses[scheme] = bound
         self.address = WorkerAddress(self.info.name, self.info.id, self.identity.host, addresses)
-        self.state = "listening"
+        self.state = Lifecycle.LISTENING
         return self.address
 
     def join(self, workers: list[WorkerAddress]) -> None:
@@ -226,7 +240,8 @@ class RpcAgent:
         self._workers = {w.name: w for w in workers}
         self._by_rank = {w.rank: w for w in workers}
         self._poller.window = self._busy_poll_window(workers)
-        self.state = "running"
+        self._shutdown = ShutdownBarrier(name for name in self._workers if name != self.info.name)
+        self.state = Lifecycle.RUNNING
         early, self._early_frames = self._early_frames or [], None
         for link, frame in early:
             if not link.closed:
@@ -249,10 +264,10 @@ class RpcAgent:
         bound the release by ``rpc_timeout``.  A number bounds the whole of it; 0 or
         less means no bound at all.
         """
-        if self.state in ("closing", "closed"):
+        if self.state.ending:
             return
         try:
-            if graceful and self.state == "running":
+            if graceful and self.state is Lifecycle.RUNNING:
                 if timeout is None:
                     await self._arrive()
                     await self._within(self.options.rpc_timeout, self._depart())
@@ -283,71 +298,66 @@ class RpcAgent:
                 await step
         except TimeoutError:
             raise RPCTimeoutError(
-                f"shutdown of {self.info.name!r} timed out after {bound}s: {self._waiting_for()}"
+                f"shutdown of {self.info.name!r} timed out after {bound}s: {self._give_up()}"
             ) from None
 
-    def _waiting_for(self) -> str:
+    def _give_up(self) -> str:
+        """The time ran out: end the barrier; what we were still waiting for."""
+        gave_up = self._shutdown.give_up()
         if self._pending:
             calls = sorted({f"{c.function} on {c.peer!r}" for c in self._pending.values()})
             return f"{len(self._pending)} of our calls still pending ({', '.join(calls[:5])})"
-        others = set(self._workers) - {self.info.name}
-        if others - self._peers_done[1] - self._dead:
-            missing = sorted(others - self._peers_done[1] - self._dead)
-            return f"workers that have not called shutdown: {missing}"
-        missing = sorted(others - self._peers_done[2] - self._dead)
-        return f"workers still releasing their RRefs and the like: {missing}"
+        if gave_up.phase == 1:
+            return f"workers that have not called shutdown: {list(gave_up.missing)}"
+        return f"workers still releasing their RRefs and the like: {list(gave_up.missing)}"
+
+    # -- shutdown barrier: the driver of asyncrpc.agent.shutdown ---------------------
 
     async def _barrier(self, phase: int) -> None:
-        self.state = "draining"
-        self._phases_reached.add(phase)
-        others = [name for name in self._workers if name != self.info.name]
-        await asyncio.gather(*(self._announce_shutdown(name) for name in others))
-        while not set(others) <= self._peers_done[phase] | self._dead:
-            self._barrier_changed.clear()
-            await self._barrier_changed.wait()
+        """Tell every peer we reached ``phase``; wait until each has too, or is dead."""
+        self.state = Lifecycle.DRAINING
+        self._carry_out(self._shutdown.start(phase))
+        await self._phase_passed[phase].wait()  # bounded by shutdown(), see its docstring
 
-    async def _announce_shutdown(self, name: str) -> None:
-        """Tell ``name`` the phases we reached, on any link we share with it (a peer
-        whose loop is busy cannot complete a new handshake, but reads an open link once
-        free).  Without one we dial: a peer that cannot be reached is dead, one that
-        accepts the connection but does not finish the handshake in time is alive and
-        busy, and is dialled again."""
-        while True:
-            link = self._links.get(name) or self._inbound.link_from(name)
-            if link is not None:
-                break
+    def _carry_out(self, actions: list[ShutdownAction[Link]]) -> None:
+        for action in actions:
+            if isinstance(action, Reach):
+                self._spawn(self._reach(action.peer))
+            elif isinstance(action, Tell):
+                self._tell(action.link, action.phases)
+            elif isinstance(action, Passed):
+                self._phase_passed[action.phase].set()
+
+    async def _reach(self, name: str) -> None:
+        """Report a link shared with ``name`` to the barrier: any, inbound included (a
+        peer whose loop is busy cannot complete a new handshake, but reads an open link
+        once free); without one we dial (each dial bounded by ``connect_timeout``)."""
+        link = self._links.get(name) or self._inbound.link_from(name)
+        if link is None:
             try:
                 link = await self._connect(name)
-            except (PeerLostError, TimeoutError) as exc:
-                if _busy(exc):
-                    continue
-                self._mark_dead(name)
+            except Exception as exc:  # PeerLostError or TimeoutError, as a rule
+                log.debug("shutdown could not dial %r: %r", name, exc)
+                self._carry_out(self._shutdown.dial_failed(name, busy=_busy(exc)))
                 return
-        self._dead.discard(name)  # a lost link earlier, but it is alive: wait for it
-        self._send_phases(link)
+        self._carry_out(self._shutdown.reached(name, link))
 
-    def _send_phases(self, link: Link) -> None:
-        """Every phase reached, again (a peer once given up for dead may have missed some;
-        a repeated notice changes nothing), after the notices queued for it."""
+    def _tell(self, link: Link, phases: tuple[int, ...]) -> None:
+        """SHUTDOWN for each phase, after the notices queued for the peer (so a worker
+        that has seen our SHUTDOWN has handled every notice we sent before it)."""
         notices = self._notices.take(link.peer.name)
         if notices:
             link.send(Kind.NOTICE, {"n": notices})
-        for phase in sorted(self._phases_reached):
+        for phase in phases:
             link.send(Kind.SHUTDOWN, {"rank": self.info.id, "phase": phase})
 
     def _on_shutdown_notice(self, link: Link, phase: Any) -> None:
-        if phase not in self._peers_done:
-            return
-        name = link.peer.name
-        self._peers_done[phase].add(name)
-        if name in self._dead:  # given up for dead (it could not be dialled), yet alive:
-            self._dead.discard(name)  # it waits for our notices, and we for its
-            self._send_phases(link)
-        self._barrier_changed.set()
+        self._carry_out(self._shutdown.peer_announced(link.peer.name, phase, link))
 
     async def _close(self) -> None:
         self.closing_debug_info = self.debug_info()  # what was left: leaks show here
-        self.state = "closing"
+        self.state = Lifecycle.CLOSING
+        self._shutdown.give_up()  # the barrier is over: no more reaching or telling
         for server in self._servers:
             server.close()
         closed = AgentStateError(f"worker {self.info.name!r} shut down")
@@ -363,7 +373,7 @@ class RpcAgent:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._segments is not None:
             self._segments.close()
-        self.state = "closed"
+        self.state = Lifecycle.CLOSED
 
     # -- outgoing calls ------------------------------------------------------------
 
@@ -627,6 +637,7 @@ class RpcAgent:
         if link.handshake.role is Role.LISTENER:
             self._admission.settled(link)
             self._inbound.add_link(link)
+        self._carry_out(self._shutdown.connected(link.peer.name, link))
 
     def frame_received(self, link: Link, frame: Frame) -> None:
         if self._early_frames is not None:  # not joined yet: handled in join()
@@ -653,15 +664,12 @@ class RpcAgent:
         self._admission.settled(link)
         self._inbound.drop_link(link)
         peer = link.handshake.peer
-        if (
-            peer is not None
-            and link.handshake.established
-            and self.state in ("running", "draining")
-        ):
+        if peer is not None and link.handshake.established and self.state.usable:
             for extension in list(self._extensions.values()):
                 extension.peer_lost(peer.rank)
         if peer is None:
             return
+        self._shutdown.link_closed(link)
         if self._links.get(peer.name) is not link:  # an inbound link: dead if it was the last
             if link.handshake.established and self._no_link_with(peer.name):
                 self._mark_dead(peer.name)
@@ -678,9 +686,8 @@ class RpcAgent:
         return name not in self._links and self._inbound.link_from(name) is None
 
     def _mark_dead(self, name: str) -> None:
-        if name not in self._peers_done[2] and self.state in ("draining", "running"):
-            self._dead.add(name)
-            self._barrier_changed.set()
+        if self.state.usable:
+            self._carry_out(self._shutdown.peer_lost(name))
 
     # -- introspection and helpers -------------------------------------------------
 
@@ -690,14 +697,14 @@ class RpcAgent:
         info: dict[str, Any] = {
             "worker": self.info.name,
             "rank": self.info.id,
-            "state": self.state,
+            "state": self.state.value,
             "pending_outgoing_calls": len(self._pending),
             "queued_notices": len(self._notices),
             "running_incoming_calls": self._inbound.running,
             "connected_peers": sorted(peers),
             "pending_handshakes": self._admission.pending,
             "refused_connections": self._admission.refused,
-            "dead_peers": sorted(self._dead),
+            "dead_peers": sorted(self._shutdown.dead),
             "shared_memory": self._shared_memory_info(),
         }
         for extension in self._extensions.values():
@@ -760,11 +767,15 @@ class RpcAgent:
         memory need the CPU (a spinning loop starved them, and they it: 20 x 64 MiB
         calls saw the loop wake up to 130 ms late)."""
         copying = self._segments.copying if self._segments is not None else 0
-        return self.state != "closed" and self._inbound.slow_threads_busy == 0 and not copying
+        return (
+            self.state is not Lifecycle.CLOSED
+            and self._inbound.slow_threads_busy == 0
+            and not copying
+        )
 
     def _check_usable(self) -> None:
-        if self.state not in ("running", "draining"):
-            raise AgentStateError(f"RPC agent of {self.info.name!r} is {self.state}")
+        if not self.state.usable:
+            raise AgentStateError(f"RPC agent of {self.info.name!r} is {self.state.value}")
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = self._loop.create_task(coro, context=self._context.copy())

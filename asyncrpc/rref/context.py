@@ -108,7 +108,7 @@ class RRefContext:
             future.exception()  # retrieved: whoever uses it will see it
 
     def _post(self, to: int, message: Any) -> None:
-        if self.closed or self.agent.state not in ("running", "draining"):
+        if self.closed or not self.agent.state.usable:
             return
         handler = _HANDLERS[type(message)]
         try:

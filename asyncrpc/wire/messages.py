@@ -15,7 +15,8 @@ Established::
     RESPONSE   {i}                                         payload = pickle(result)
     ERROR      {i}                                         payload = pickle(exception info)
     CANCEL     {i}          the caller gave up (timeout); the callee may stop the work
-    SHUTDOWN   {rank}       the sender has called shutdown and has no calls of its own in flight
+    SHUTDOWN   {rank, phase}  the sender reached barrier ``phase`` (1 or 2) of its graceful
+               shutdown: its own calls are done (see asyncrpc.agent.shutdown)
     RELEASE    {k: [keys]}  the receiver no longer maps these shared-memory segments
     UNMAP      {k: [keys]}  the sender closed these segments: the receiver drops their mappings
     NOTICE     {n: [[key, *args], ...]}  one-way notices (no reply), as a REQUEST's ``n`` carries

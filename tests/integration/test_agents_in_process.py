@@ -9,7 +9,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -20,12 +20,14 @@ from asyncrpc import PeerLostError, RemoteError, RPCTimeoutError
 from asyncrpc.agent import (
     DEFAULT_BUSY_POLL,
     AgentOptions,
+    Lifecycle,
     RpcAgent,
     async_execution,
     current_agent,
     inbound,
 )
 from asyncrpc.errors import LocalProtocolError
+from asyncrpc.transport import Link
 from tests.in_process import SECRET, joined_agents
 
 pytestmark = pytest.mark.timeout(30)
@@ -233,6 +235,51 @@ async def test_a_peer_given_up_for_dead_at_shutdown_is_answered_when_it_shows_up
     first = asyncio.ensure_future(a.shutdown())
     await asyncio.wait_for(asyncio.gather(first, b.shutdown()), 20)
     assert a.state == b.state == "closed"
+
+
+async def test_a_shutdown_that_runs_out_of_time_names_the_workers_it_waited_for() -> None:
+    options = AgentOptions(transports=("unix",), rpc_timeout=10)
+    async with joined_agents("abc", options) as (a, b, c):
+        b_done = asyncio.ensure_future(b.shutdown())
+        with pytest.raises(RPCTimeoutError, match=r"have not called shutdown: \['c'\]"):
+            await a.shutdown(timeout=0.5)  # b is shutting down too, c is not
+        assert a.state == Lifecycle.CLOSED
+        await asyncio.wait_for(asyncio.gather(b_done, c.shutdown()), 20)  # a: closed, gone
+
+
+async def test_a_peer_that_reconnects_after_our_announcement_is_told_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """a announces phase 1 to b and c, and waits for c.  The only link between a and b
+    drops, so each counts the other lost.  When b dials a again, a tells it once more,
+    on the new link: what it sent on the old one may never have arrived."""
+    options = AgentOptions(transports=("unix",), rpc_timeout=10)
+    async with joined_agents("abc", options) as (a, b, c):
+        heard: list[tuple[Link, Any]] = []  # the SHUTDOWN frames b receives
+        on_shutdown_notice = b._on_shutdown_notice
+
+        def spy(link: Link, phase: Any) -> None:
+            heard.append((link, phase))
+            on_shutdown_notice(link, phase)
+
+        monkeypatch.setattr(b, "_on_shutdown_notice", spy)
+        first = asyncio.ensure_future(a.shutdown())
+        await until(lambda: len(heard) == 1)
+        old = heard[0][0]
+        old.abort(PeerLostError("dropped on purpose"))
+        await until(lambda: a.debug_info()["dead_peers"] == ["b"])
+        assert await b.rpc_async("a", operator.add, args=(1, 2)) == 3  # b dials a again
+        assert [phase for _, phase in heard] == [1, 1]
+        assert heard[1][0] is not old
+        await asyncio.wait_for(asyncio.gather(first, b.shutdown(), c.shutdown()), 20)
+        assert a.state == b.state == c.state == Lifecycle.CLOSED
+
+
+async def until(condition: Callable[[], bool], limit: float = 5.0) -> None:
+    """Wait (bounded) for a condition that the agents' loop, ours, makes true."""
+    async with asyncio.timeout(limit):
+        while not condition():
+            await asyncio.sleep(0)
 
 
 def fails_on_purpose(why: str) -> None:

@@ -29,7 +29,7 @@ import torch
 from torch.jit._builtins import _find_builtin as _find_untyped
 
 import asyncrpc.api as native_api
-from asyncrpc.agent import current_agent
+from asyncrpc.agent import Lifecycle, current_agent
 from asyncrpc.agent.dispatch import function_name
 from asyncrpc.compat import _runtime
 from asyncrpc.compat._private import private_getattr
@@ -72,7 +72,7 @@ def init_rpc(
     if _runtime.is_running():
         raise AgentStateError("RPC is already initialized: call shutdown() first")
     native = current_agent()
-    if native is not None and native.state != "closed":
+    if native is not None and native.state is not Lifecycle.CLOSED:
         raise AgentStateError(
             "a native asyncrpc agent runs in this process: use either asyncrpc.compat or "
             "the native asyncrpc API in one process, not both"
