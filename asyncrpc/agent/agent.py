@@ -9,12 +9,15 @@ two workers that call each other hold two links, and no tie-break is needed.
 
 Outgoing: ``rpc_async`` serialises at once (a bad argument raises right there),
 records a :class:`PendingCall` with a deadline timer, and writes the request
-(or queues it behind the dial).  Tensor bytes are never copied on the loop: a
-large buffer for a same-host peer is copied into shared memory by the Link's
-copier threads, in order with the link's other messages, within this worker's
-shared-memory budget (``shared_memory_budget``; beyond it the bytes go through
-the socket).  The debug info reports the pool and the peers' segments we map.
-The call ends exactly once: by its reply, by its deadline (``RPCTimeoutError``,
+(or queues it behind the dial, with any NOTICE frame made meanwhile).  The
+request is an :class:`~asyncrpc.agent.outgoing.Outgoing`: if it never leaves,
+what its serialisation did is undone and the notices it carried go first with
+what follows.  Tensor bytes are never copied on the loop: a large buffer for
+a same-host peer is copied into shared memory by the Link's copier threads, in
+order with the link's other messages, within this worker's shared-memory
+budget (``shared_memory_budget``; beyond it the bytes go through the socket).
+The debug info reports the pool and the peers' segments we map.  The call
+ends exactly once: by its reply, by its deadline (``RPCTimeoutError``,
 and a CANCEL to the callee), or by the loss of its link (``PeerLostError`` at
 once, naming the peer).
 
@@ -54,16 +57,18 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import itertools
 import logging
 import os
 from collections.abc import Awaitable, Callable, Coroutine, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from asyncrpc.agent.dispatch import function_name, unpack_error
 from asyncrpc.agent.inbound import Inbound
 from asyncrpc.agent.notices import Notices, delivered, handle
+from asyncrpc.agent.outgoing import Outgoing
 from asyncrpc.agent.polling import BusyPoller
 from asyncrpc.agent.shutdown import (
     PHASES,
@@ -74,7 +79,7 @@ from asyncrpc.agent.shutdown import (
     Tell,
 )
 from asyncrpc.agent.shutdown import Action as ShutdownAction
-from asyncrpc.agent.transfer import Undo, carried, dumps_for, loads_from, undo
+from asyncrpc.agent.transfer import carried, dumps_request, loads_reply
 from asyncrpc.agent.worker import WorkerAddress, WorkerInfo
 from asyncrpc.errors import (
     AgentStateError,
@@ -161,17 +166,6 @@ class PendingCall:
     timer: asyncio.TimerHandle | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class OutgoingRequest:
-    """A serialised request, held only until it is written (or its dial fails)."""
-
-    call_id: int
-    meta: dict[str, Any]
-    payload: bytes
-    buffers: list[memoryview]
-    undo: Undo = field(default_factory=list)  # reverts reducers' effects if never sent
-
-
 class RpcAgent:
     """One worker's agent.  Create, ``await start()``, ``join(workers)``, use, ``shutdown``."""
 
@@ -200,9 +194,9 @@ class RpcAgent:
         self._admission = Admission(options.max_pending_handshakes)
         self._links: dict[str, Link] = {}  # outgoing, by peer name
         self._dials: dict[str, asyncio.Future[Link]] = {}
-        # Requests waiting for a peer's link, in call order: one task sends them all once
-        # it is up, so a call made after the link came up cannot overtake them.
-        self._backlog: dict[str, list[OutgoingRequest]] = {}
+        # Messages waiting for a peer's link, in order: one task sends them all once it
+        # is up, so a message made after the link came up cannot overtake them.
+        self._backlog: dict[str, list[Outgoing]] = {}
         self._pending: dict[int, PendingCall] = {}
         self._notices = Notices()
         self._ids = itertools.count(1)
@@ -408,15 +402,15 @@ class RpcAgent:
         target = self.resolve(to)
         peer = target.name
         name = label or function_name(func)
-        payload, buffers, reverts = dumps_for(
-            self, target.rank, True, (func, args or (), kwargs or {})
+        call_id = next(self._ids)
+        request = dumps_request(
+            self, target.rank, (func, args or (), kwargs or {}), call_id=call_id, function=name
         )
         link = self._links.get(peer)
-        size = len(payload) + sum(b.nbytes for b in buffers)
+        size = request.size
         if size > (self.options.max_frame_size if link is None else link.max_send_size):
-            undo(reverts)
+            request.abandon()
             raise self._too_large(link, peer, name, size)
-        call_id = next(self._ids)
         call = PendingCall(
             self._loop.create_future(),
             peer,
@@ -427,18 +421,13 @@ class RpcAgent:
             call.timer = self._loop.call_later(call.timeout, self._expire, call_id)
         self._pending[call_id] = call
         self._idle.clear()
-        meta: dict[str, Any] = {"i": call_id, "f": name}
         context_values = carried()
         if context_values:
-            meta["c"] = context_values
+            request.meta["c"] = context_values
         notices = self._notices.take(peer)
         if notices:
-            meta["n"] = notices
-        request = OutgoingRequest(call_id, meta, payload, buffers, reverts)
-        if link is not None and peer not in self._backlog:
-            self._send_request(link, request)
-        else:
-            self._queue_behind_dial(peer, request)
+            request.carry(notices, functools.partial(self._notices.give_back, peer))
+        self._send(peer, request)
         return call.future
 
     def _too_large(self, link: Link | None, peer: str, name: str, size: int) -> LocalProtocolError:
@@ -469,56 +458,69 @@ class RpcAgent:
                 raise answer
 
     def _send_notices(self) -> None:
+        """Everything queued leaves now, in a NOTICE frame per peer."""
         for peer, notices in self._notices.take_all().items():
-            link = self._links.get(peer)
-            if link is not None:
-                link.send(Kind.NOTICE, {"n": notices})
-            else:
-                self._spawn(self._send_notices_after_dial(peer, notices))
+            message = Outgoing(Kind.NOTICE, {})
+            message.carry(notices, functools.partial(self._notices.give_back, peer))
+            self._send(peer, message)
 
-    async def _send_notices_after_dial(self, peer: str, notices: list[Any]) -> None:
-        try:
-            link = await self._connect(peer)
-        except Exception as exc:  # a lost peer needs none of them any more
-            log.debug("notices for %r dropped: %s", peer, exc)
-            return
-        link.send(Kind.NOTICE, {"n": notices})
+    def _send(self, peer: str, message: Outgoing) -> None:
+        """Write ``message`` now if ``peer``'s link is up and nothing waits for it, else
+        queue it behind the dial."""
+        link = self._links.get(peer)
+        if link is not None and peer not in self._backlog:
+            self._write(link, message)
+        else:
+            self._queue_behind_dial(peer, message)
 
-    def _send_request(self, link: Link, request: OutgoingRequest) -> None:
+    def _write(self, link: Link, message: Outgoing) -> None:
         try:
-            link.send(
-                Kind.REQUEST,
-                request.meta,
-                request.payload,
-                request.buffers,
-                function=request.meta["f"],
-            )
+            message.send_on(link)
         except Exception as exc:  # e.g. too large a request: the call fails, visibly
-            undo(request.undo)
-            self._finish(request.call_id, error=exc)
+            self._drop(message, exc, link)
 
-    def _queue_behind_dial(self, peer: str, request: OutgoingRequest) -> None:
+    def _drop(self, message: Outgoing, error: Exception | None, link: Link | None) -> None:
+        """``message`` never leaves: it is abandoned, and its call fails with ``error``
+        (None: it has ended already).  The notices it carried go now if ``link`` is
+        up, ahead of anything later."""
+        message.abandon()
+        if error is not None and message.call_id is not None:
+            self._finish(message.call_id, error=error)
+        if link is not None:
+            self._send_given_back(link)
+
+    def _send_given_back(self, link: Link) -> None:
+        """The notices given back for ``link``'s peer, in a NOTICE frame, now."""
+        notices = self._notices.take_returned(link.peer.name)
+        if notices:
+            try:
+                link.send(Kind.NOTICE, {"n": notices})
+            except LocalProtocolError as exc:  # too large for the link: they never can go
+                log.error("notices for %r dropped: %s", link.peer.name, exc)
+
+    def _queue_behind_dial(self, peer: str, message: Outgoing) -> None:
         backlog = self._backlog.get(peer)
         if backlog is None:
             backlog = self._backlog[peer] = []
             self._spawn(self._send_after_dial(peer))
-        backlog.append(request)
+        backlog.append(message)
 
     async def _send_after_dial(self, peer: str) -> None:
-        """Send ``peer``'s backlog, in order, once its link is up (or fail it)."""
+        """Send ``peer``'s backlog, in order, once its link is up; or fail it.  A peer
+        that cannot be reached (unlike a busy one) has no use for notices any more."""
         try:
-            link: Link | None = await self._connect(peer)
-            error: Exception | None = None
+            link = await self._connect(peer)
         except Exception as exc:
-            link, error = None, exc
-        for request in self._backlog.pop(peer, []):
-            if link is None:
-                undo(request.undo)
-                self._finish(request.call_id, error=error)
-            elif request.call_id in self._pending:
-                self._send_request(link, request)
-            else:
-                undo(request.undo)  # timed out while dialing: it never leaves
+            for message in self._backlog.pop(peer, []):
+                self._drop(message, exc, None)
+            if not _busy(exc):
+                self._notices.forget(peer)
+            return
+        for message in self._backlog.pop(peer, []):
+            if message.call_id is None or message.call_id in self._pending:
+                self._write(link, message)
+            else:  # its call timed out while dialing
+                self._drop(message, None, link)
 
     async def _connect(self, peer: str) -> Link:
         link = self._links.get(peer)
@@ -600,7 +602,7 @@ class RpcAgent:
         if call is None or call.peer != link.peer.name:
             return  # a late reply to a call that already timed out
         try:
-            value = loads_from(self, link.peer.rank, False, frame.payload, frame.buffers)
+            value = loads_reply(self, link.peer.rank, frame.payload, frame.buffers)
             if frame.kind == Kind.RESPONSE:
                 self._finish(call_id, result=value)
             else:

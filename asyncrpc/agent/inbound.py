@@ -57,8 +57,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncrpc.agent.dispatch import Placement, as_exception, describe, pack_error
+from asyncrpc.agent.outgoing import Outgoing
 from asyncrpc.agent.pool import WorkerPool
-from asyncrpc.agent.transfer import Undo, apply_carried, carried, dumps_for, loads_from, undo
+from asyncrpc.agent.transfer import apply_carried, carried, dumps_reply, loads_request
 from asyncrpc.errors import (
     LocalProtocolError,
     RemoteError,
@@ -107,7 +108,7 @@ class Inbound:
         self._loop = asyncio.get_running_loop()
         self._pool = WorkerPool(threads, f"asyncrpc-{worker}")
         self._links: dict[Link, _LinkCalls] = {}
-        self._completions: deque[tuple[IncomingCall, bool, Any, Undo, bool]] = deque()
+        self._completions: deque[tuple[IncomingCall, bool, Any, Outgoing | None, bool]] = deque()
         self._lock = threading.Lock()
         self._drain_scheduled = False
         self.slow_threads_busy = 0  # pool jobs not proven quick, not yet back on the loop
@@ -157,8 +158,8 @@ class Inbound:
         call = IncomingCall(link, call_id, str(frame.meta.get("f", "?")))
         waits: list[asyncio.Future[Any]] = []
         try:
-            func, args, kwargs = loads_from(
-                self._agent, link.peer.rank, True, frame.payload, frame.buffers, waits=waits
+            func, args, kwargs = loads_request(
+                self._agent, link.peer.rank, frame.payload, frame.buffers, waits=waits
             )
         except Exception as exc:
             self._reply_error(
@@ -358,18 +359,14 @@ class Inbound:
     def _run_in_thread(self, call: IncomingCall, run: Callable[[], Any], slow: bool) -> None:
         """In a pool thread: run the function and encode its reply right here."""
         started = time.perf_counter()
-        reverts: Undo = []
+        reply: Outgoing | None = None
         try:
-            payload, buffers, reverts = dumps_for(self._agent, call.link.peer.rank, False, run())
-            parts = call.link.encode(
-                Kind.RESPONSE, {"i": call.call_id}, payload, buffers, function=call.function
-            )
-            outcome: tuple[bool, Any] = (True, parts)
-        except BaseException as exc:
-            undo(reverts)
+            reply = self._reply_of(call, run())
+            outcome: tuple[bool, Any] = (True, reply.encode_for(call.link))
+        except BaseException as exc:  # (a reply that failed to encode is abandoned)
             outcome = (False, exc)
         self._learn(call.function, time.perf_counter() - started)
-        self._completions.append((call, *outcome, reverts, slow))
+        self._completions.append((call, *outcome, reply, slow))
         with self._lock:
             if self._drain_scheduled:
                 return
@@ -382,13 +379,15 @@ class Inbound:
         with self._lock:
             self._drain_scheduled = False
         while self._completions:
-            call, ok, value, reverts, slow = self._completions.popleft()
+            call, ok, value, reply, slow = self._completions.popleft()
             self.slow_threads_busy -= slow
             if not self._retire(call):
-                undo(reverts)  # the reply will never leave
+                if reply is not None:
+                    reply.abandon()  # nobody awaits it
                 continue
-            if ok:
+            if ok and reply is not None:
                 call.link.write(value)
+                reply.sent()
             else:
                 self._reply_error(call, value)
 
@@ -426,15 +425,16 @@ class Inbound:
         self._send_result(call, future.result())
 
     def _send_result(self, call: IncomingCall, result: Any) -> None:
-        reverts: Undo = []
         try:
-            payload, buffers, reverts = dumps_for(self._agent, call.link.peer.rank, False, result)
-            call.link.send(
-                Kind.RESPONSE, {"i": call.call_id}, payload, buffers, function=call.function
-            )
-        except Exception as exc:
-            undo(reverts)
+            self._reply_of(call, result).send_on(call.link)
+        except Exception as exc:  # (a reply the link refused is abandoned)
             self._reply_error(call, exc)
+
+    def _reply_of(self, call: IncomingCall, result: Any) -> Outgoing:
+        """``result`` serialised as ``call``'s RESPONSE."""
+        return dumps_reply(
+            self._agent, call.link.peer.rank, result, call_id=call.call_id, function=call.function
+        )
 
     def _reply_cancelled(self, call: IncomingCall) -> None:
         self._reply_error(

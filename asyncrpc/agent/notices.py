@@ -9,7 +9,7 @@ and a few msgpack-able arguments; an upper layer registers the handler of each
 key with :func:`on_notice`, so nothing in a notice is unpickled or names code.
 
 :meth:`Notices.add` queues a notice for a peer.  The agent puts every notice
-queued for a peer into the header (``n``) of the next request it sends that
+queued for a peer into the header (``n``) of the next request it makes for that
 peer; what is still queued when the loop gets round to it leaves on its own, in
 a NOTICE frame (:meth:`Notices.take_all`).  Before its shutdown notices the
 agent sends what is queued for that peer.  The receiver runs each handler on
@@ -18,18 +18,22 @@ their order with the frames around them: a peer that has seen our SHUTDOWN, or
 answered a later request of ours, has handled every notice we sent before it.
 Handlers must be quick and must not block.  A notice with an unknown key or bad
 arguments is logged and dropped; the worker keeps serving.
+
+A message that carried notices but never leaves (see
+:mod:`asyncrpc.agent.outgoing`) gives them back (:meth:`Notices.give_back`).
+They are older than anything else still on its way to that peer, so they go
+first: at once in a NOTICE frame if the link is up (before the next message),
+else with whatever is next sent to that peer.  A peer that cannot be reached
+has nothing left to handle: :meth:`Notices.forget` drops what waits for it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from asyncrpc.agent.dispatch import on_loop
-
-if TYPE_CHECKING:
-    from asyncrpc.agent.agent import RpcAgent
 
 log = logging.getLogger("asyncrpc.agent")
 Notice = list[Any]  # [key, *args]
@@ -48,6 +52,7 @@ class Notices:
 
     def __init__(self) -> None:
         self._queued: dict[str, list[Notice]] = {}
+        self._returned: dict[str, list[Notice]] = {}  # given back: they go first
         self.told: set[str] = set()  # peers sent a notice since the last delivered()
 
     def add(self, peer: str, notice: Notice) -> bool:
@@ -56,25 +61,44 @@ class Notices:
         self._queued.setdefault(peer, []).append(notice)
         return first
 
-    def take(self, peer: str) -> list[Notice] | None:
-        """What is queued for ``peer`` (then nothing is)."""
-        taken = self._queued.pop(peer, None)
+    def take(self, peer: str) -> list[Notice]:
+        """Everything waiting for ``peer``, oldest first (then nothing is)."""
+        if not self._queued and not self._returned:  # the common case, on every call
+            return []
+        taken = self._returned.pop(peer, []) + self._queued.pop(peer, [])
+        if taken:
+            self.told.add(peer)
+        return taken
+
+    def take_returned(self, peer: str) -> list[Notice]:
+        """What was given back for ``peer``: older than any message still on its way."""
+        taken = self._returned.pop(peer, [])
         if taken:
             self.told.add(peer)
         return taken
 
     def take_all(self) -> dict[str, list[Notice]]:
-        """Everything queued, by peer (then nothing is)."""
-        taken, self._queued = self._queued, {}
-        self.told.update(taken)
-        return taken
+        """Everything waiting, by peer (then nothing is)."""
+        return {peer: self.take(peer) for peer in dict.fromkeys([*self._returned, *self._queued])}
+
+    def give_back(self, peer: str, notices: list[Notice]) -> None:
+        """Notices taken for a message that will never leave: they go first again."""
+        if notices:
+            self._returned[peer] = notices + self._returned.get(peer, [])
+
+    def forget(self, peer: str) -> None:
+        """``peer`` cannot be reached: nothing waiting for it will be handled."""
+        dropped = len(self._returned.pop(peer, [])) + len(self._queued.pop(peer, []))
+        if dropped:
+            log.debug("%d notices for %r dropped: it cannot be reached", dropped, peer)
 
     def __len__(self) -> int:
-        return sum(len(queued) for queued in self._queued.values())
+        return sum(map(len, self._queued.values())) + sum(map(len, self._returned.values()))
 
 
-def handle(agent: RpcAgent, sender: int, notices: Any) -> None:
-    """Run the handler of each notice a frame from ``sender`` carried."""
+def handle(agent: object, sender: int, notices: Any) -> None:
+    """Run the handler of each notice a frame from ``sender`` carried (each handler
+    is given ``agent``, the receiving agent, as it is: this module needs nothing of it)."""
     if not isinstance(notices, list):
         log.warning("malformed notices from worker %d: %r", sender, notices)
         return

@@ -11,9 +11,11 @@ request or in a reply (the two travel on different links, which matters for
 ordering).  The agent sets a :class:`Transfer` in a context variable around
 every ``dumps``/``loads`` of a message; :func:`current_transfer` reads it.
 
-A reducer that changes state while pickling registers an ``undo`` callback: if
-serialisation of the whole message fails, the message never leaves and every
-undo runs, so no state change outlives a message that was not sent.
+A reducer that changes state while pickling registers an ``undo`` callback:
+the message comes out of :func:`dumps_request` or :func:`dumps_reply` as an
+:class:`~asyncrpc.agent.outgoing.Outgoing` that owns those callbacks, and runs
+them if it never leaves.  If serialisation itself fails they run at once.  So
+no state change outlives a message that was not sent.
 
 A reducer that finds, while a request is unpickled, something the call must not
 start without (the value of an RRef its owner is still making) calls
@@ -29,24 +31,25 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from asyncrpc.agent.outgoing import Outgoing, Undo
 from asyncrpc.serde import dumps, loads
-
-if TYPE_CHECKING:
-    from asyncrpc.agent.agent import RpcAgent
+from asyncrpc.wire import Kind
 
 
 @dataclass(slots=True)
 class Transfer:
     """One message being serialised to, or deserialised from, ``peer_rank``."""
 
-    agent: RpcAgent
+    # The agent at this end.  Opaque here (this module needs nothing of it); the upper
+    # layers whose reducers read it know its type.
+    agent: Any
     peer_rank: int
     request: bool  # a request (else a reply); requests and replies use different links
-    undo: list[Callable[[], None]] = field(default_factory=list)  # see dumps_for
+    undo: list[Undo] = field(default_factory=list)  # see dumps_request
     waits: list[asyncio.Future[Any]] = field(default_factory=list)  # see start_after
 
 
@@ -91,47 +94,61 @@ def start_after(future: asyncio.Future[Any]) -> None:
         transfer.waits.append(future)
 
 
-Undo = list[Callable[[], None]]
+def dumps_request(
+    agent: Any, peer_rank: int, value: Any, *, call_id: int, function: str
+) -> Outgoing:
+    """Call ``call_id`` of ``function`` (``value``: what to run) for worker ``peer_rank``,
+    serialised by ``agent``, as a REQUEST that undoes its reducers' effects if it never
+    leaves."""
+    message = _dumps(Transfer(agent, peer_rank, True), Kind.REQUEST, value, function)
+    message.meta["i"], message.meta["f"] = call_id, function
+    return message
 
 
-def dumps_for(
-    agent: RpcAgent, peer_rank: int, request: bool, value: Any
-) -> tuple[bytes, list[memoryview], Undo]:
-    """``serde.dumps`` for a message to ``peer_rank``.
+def dumps_reply(agent: Any, peer_rank: int, value: Any, *, call_id: int, function: str) -> Outgoing:
+    """The result of call ``call_id`` (of ``function``) from worker ``peer_rank``,
+    serialised by ``agent``, as a RESPONSE that undoes its reducers' effects if it never
+    leaves."""
+    message = _dumps(Transfer(agent, peer_rank, False), Kind.RESPONSE, value, function)
+    message.meta["i"] = call_id
+    return message
 
-    Also returns the undo callbacks of the reducers that ran: call :func:`undo` on
-    them if the message is never sent.  If serialisation fails they run here.
-    """
-    transfer = Transfer(agent, peer_rank, request)
+
+def _dumps(transfer: Transfer, kind: Kind, value: Any, function: str) -> Outgoing:
     token = _transfer.set(transfer)
     try:
         payload, buffers = dumps(value)
     except BaseException:
-        undo(transfer.undo)
+        while transfer.undo:  # the message does not even exist
+            transfer.undo.pop()()
         raise
     finally:
         _transfer.reset(token)
-    return payload, buffers, transfer.undo
+    return Outgoing(kind, {}, payload, buffers, function=function, undo=transfer.undo)
 
 
-def undo(callbacks: Undo) -> None:
-    """Revert what reducers did for a message that will not be sent (latest first)."""
-    while callbacks:
-        callbacks.pop()()
-
-
-def loads_from(
-    agent: RpcAgent,
+def loads_request(
+    agent: Any,
     peer_rank: int,
-    request: bool,
     payload: bytes | bytearray,
     buffers: Sequence[Any],
     *,
-    waits: list[asyncio.Future[Any]] | None = None,
+    waits: list[asyncio.Future[Any]],
 ) -> Any:
-    """``serde.loads`` for a message that came from ``peer_rank``; a request's call must
-    not start before the futures added to ``waits`` are done (see :func:`start_after`)."""
-    token = _transfer.set(Transfer(agent, peer_rank, request, waits=[] if waits is None else waits))
+    """``serde.loads`` for a request from ``peer_rank``; its call must not start before
+    the futures added to ``waits`` are done (see :func:`start_after`)."""
+    return _loads(Transfer(agent, peer_rank, True, waits=waits), payload, buffers)
+
+
+def loads_reply(
+    agent: Any, peer_rank: int, payload: bytes | bytearray, buffers: Sequence[Any]
+) -> Any:
+    """``serde.loads`` for a reply from ``peer_rank``."""
+    return _loads(Transfer(agent, peer_rank, False), payload, buffers)
+
+
+def _loads(transfer: Transfer, payload: bytes | bytearray, buffers: Sequence[Any]) -> Any:
+    token = _transfer.set(transfer)
     try:
         return loads(payload, buffers)
     finally:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from asyncrpc.agent import AgentOptions, RpcAgent, on_loop, on_notice
+from asyncrpc.errors import HandshakeError, PeerLostError, RPCTimeoutError
 from asyncrpc.wire import Kind
 from tests.in_process import joined_agents
 
@@ -141,3 +142,76 @@ async def test_a_lost_peer_has_nothing_left_to_handle(pair: tuple[RpcAgent, RpcA
     async with asyncio.timeout(5):
         await a.notices_delivered()  # returns: b is gone, not waited for
     assert a.debug_info()["queued_notices"] == 0
+
+
+def hold_dials(agent: RpcAgent, monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """Hold every dial of ``agent`` until the returned event is set (a peer whose
+    accept or handshake is held up)."""
+    reachable = asyncio.Event()
+    dial = agent._dial
+
+    async def held_up(peer: str) -> Any:
+        await reachable.wait()
+        return await dial(peer)
+
+    monkeypatch.setattr(agent, "_dial", held_up)
+    return reachable
+
+
+async def test_a_notice_on_a_call_that_times_out_while_dialing_is_still_delivered(
+    pair: tuple[RpcAgent, RpcAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The call never leaves, but the notice in its header must, and
+    notices_delivered() must wait for it."""
+    a, _ = pair
+    reachable = hold_dials(a, monkeypatch)
+    a.notify("b", "test.record", "riding")
+    with pytest.raises(RPCTimeoutError):
+        await a.rpc_async("b", record_call, ("timed out",), timeout=0.05)
+    delivered = asyncio.ensure_future(a.notices_delivered())
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert not delivered.done()  # b cannot be reached yet
+    reachable.set()
+    async with asyncio.timeout(5):
+        await delivered
+    assert seen == [("b", 0, "riding")]  # and the timed-out call never ran
+
+
+def fail_next_dial(agent: RpcAgent, monkeypatch: pytest.MonkeyPatch, cause: Exception) -> None:
+    """Make ``agent``'s next dial fail with ``cause`` (as ``_dial`` wraps it)."""
+    dial = agent._dial
+
+    async def failing(peer: str) -> Any:
+        monkeypatch.setattr(agent, "_dial", dial)
+        raise PeerLostError(f"cannot connect to worker {peer!r}: {cause}", worker=peer) from cause
+
+    monkeypatch.setattr(agent, "_dial", failing)
+
+
+async def test_a_notice_on_a_call_to_a_busy_peer_goes_with_the_next_message(
+    pair: tuple[RpcAgent, RpcAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dial that times out in the handshake reached a live worker (its loop was
+    busy): the call fails, its notice waits for the next message to that worker."""
+    a, _ = pair
+    fail_next_dial(a, monkeypatch, HandshakeError("handshake timed out", timed_out=True))
+    a.notify("b", "test.record", "riding")
+    with pytest.raises(PeerLostError):
+        await a.rpc_async("b", record_call, ("failed",))
+    assert a.debug_info()["queued_notices"] == 1
+    await a.rpc_async("b", record_call, ("next",))
+    assert seen == [("b", 0, "riding"), ("call", -1, "next")]
+
+
+async def test_a_notice_for_a_peer_that_cannot_be_reached_is_dropped(
+    pair: tuple[RpcAgent, RpcAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, _ = pair
+    fail_next_dial(a, monkeypatch, ConnectionRefusedError("refused"))
+    a.notify("b", "test.record", "lost")
+    with pytest.raises(PeerLostError):
+        await a.rpc_async("b", record_call, ("failed",))
+    assert a.debug_info()["queued_notices"] == 0
+    await a.rpc_async("b", record_call, ("next",))
+    assert seen == [("call", -1, "next")]

@@ -1,0 +1,132 @@
+"""One message on its way out, and what to undo if it never leaves.
+
+Theory of operation
+-------------------
+A message can change state before it leaves: a reducer that pickles an RRef
+into it registers a fork (see :mod:`asyncrpc.agent.transfer`), and the notices
+queued for its peer ride in its header (see :mod:`asyncrpc.agent.notices`).  An
+:class:`Outgoing` owns the message from its serialisation on -- kind, header,
+payload, buffers, the notices it carries and the undo callbacks of its
+reducers -- until one of its two endings:
+
+* :meth:`~Outgoing.sent`: it was handed to its link, which keeps frames in
+  order.  Its effects stand, and its notices are delivered as far as the sender
+  is concerned (if the link is lost, so is the peer, which then has nothing left
+  to handle).
+* :meth:`~Outgoing.abandon`: it will never leave -- its call timed out while its
+  peer was being dialed, the dial failed, it is too large for the link, the link
+  was lost before it was written, or nobody awaits the reply any more.  Its
+  reducers' effects are undone, latest first, and its notices are given back to
+  the queue they came from, to leave with the next message or a NOTICE frame.
+
+The first ending decides; a later one does nothing.  :meth:`~Outgoing.send_on`
+and :meth:`~Outgoing.encode_for` end a message themselves when the link refuses
+it: abandoned, and the link's error raised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from asyncrpc.agent.notices import Notice
+from asyncrpc.errors import PeerLostError
+from asyncrpc.transport import Link
+from asyncrpc.transport.link import Parts
+from asyncrpc.wire import Kind
+
+Undo = Callable[[], None]
+
+
+class Outgoing:
+    """One serialised message for one peer, until it is sent or abandoned."""
+
+    __slots__ = (
+        "_ended",
+        "_give_back",
+        "_notices",
+        "_undo",
+        "buffers",
+        "function",
+        "kind",
+        "meta",
+        "payload",
+    )
+
+    def __init__(
+        self,
+        kind: Kind,
+        meta: dict[str, Any],
+        payload: bytes = b"",
+        buffers: list[memoryview] | None = None,
+        *,
+        function: str = "?",
+        undo: list[Undo] | None = None,
+    ) -> None:
+        self.kind = kind
+        self.meta = meta  # the frame's header
+        self.payload = payload
+        self.buffers = buffers if buffers is not None else []
+        self.function = function  # the call it belongs to, named in errors
+        self._undo = undo if undo is not None else []  # owned from now on
+        self._notices: list[Notice] = []
+        self._give_back: Callable[[list[Notice]], None] | None = None
+        self._ended = False
+
+    @property
+    def size(self) -> int:
+        """Bytes of payload and buffers (what the peers' ``max_frame_size`` limits)."""
+        return len(self.payload) + sum(b.nbytes for b in self.buffers)
+
+    @property
+    def call_id(self) -> int | None:
+        """The call this message belongs to, if any."""
+        call_id = self.meta.get("i")
+        return call_id if type(call_id) is int else None
+
+    def carry(self, notices: list[Notice], give_back: Callable[[list[Notice]], None]) -> None:
+        """Carry ``notices`` in the header; ``give_back(notices)`` if it never leaves."""
+        if notices:
+            self.meta["n"] = self._notices = notices
+            self._give_back = give_back
+
+    def send_on(self, link: Link) -> None:
+        """Hand it to ``link`` (loop thread only): then it is sent.  If the link refuses
+        it (too large, or lost), it is abandoned and the link's error raised."""
+        try:
+            if link.closed:
+                raise PeerLostError(f"{link!r} was lost before the message was written")
+            link.send(self.kind, self.meta, self.payload, self.buffers, function=self.function)
+        except BaseException:
+            self.abandon()
+            raise
+        self.sent()
+
+    def encode_for(self, link: Link) -> Parts:
+        """Its bytes for ``link`` (any thread; see ``Link.encode``), to be written with
+        ``link.write`` and then marked sent.  If the link refuses it, it is abandoned
+        and the link's error raised."""
+        try:
+            return link.encode(
+                self.kind, self.meta, self.payload, self.buffers, function=self.function
+            )
+        except BaseException:
+            self.abandon()
+            raise
+
+    def sent(self) -> None:
+        """It left: its effects stand and its notices are delivered."""
+        self._ended = True
+
+    def abandon(self) -> None:
+        """It will never leave: undo its reducers' effects (latest first) and give its
+        notices back, to go first with the next message to its peer."""
+        if self._ended:
+            return
+        self._ended = True
+        try:
+            while self._undo:
+                self._undo.pop()()
+        finally:
+            if self._notices and self._give_back is not None:
+                self._give_back(self._notices)
