@@ -170,7 +170,14 @@ class RpcAgent:
         self._context.run(_current.set, self)
         self._poller = BusyPoller(0.0, self._worth_polling)  # its window is set in join()
         self._inbound = Inbound(
-            self, self._context, options.num_worker_threads, options.max_running_per_link
+            name,
+            self._context,
+            options.num_worker_threads,
+            options.max_running_per_link,
+            loads_request=lambda rank, payload, buffers, waits: loads_from(
+                self, rank, True, payload, buffers, waits=waits
+            ),
+            dumps_reply=lambda rank, result: dumps_for(self, rank, False, result),
         )
         self._extensions: dict[str, Extension] = {}
         self._segments = (
