@@ -76,16 +76,23 @@ DumpsReply = Callable[[int, Any], tuple[bytes, list[memoryview], Undo]]
 run if it is never sent."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (not frozen: that makes one several times slower to make)
 class IncomingCall:
+    """A request being served.  It is its own completion: ``call(ok, value)`` replies."""
+
+    inbound: Inbound
     link: Link
     call_id: int
     function: str
 
+    def __call__(self, ok: bool, value: Any) -> None:
+        self.inbound._reply(self, ok, value)
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(slots=True)
 class EncodedReply:
-    """A RESPONSE encoded in a pool thread, and how to revert it if it never leaves."""
+    """The result of a call run in a pool thread, encoded there as its RESPONSE, and how
+    to revert that if it never leaves."""
 
     parts: Parts
     undo: Undo
@@ -165,7 +172,7 @@ class Inbound:
         if type(call_id) is not int:
             link.abort(RemoteProtocolError(f"request without a call id from {link.peer.name!r}"))
             return
-        call = IncomingCall(link, call_id, str(frame.meta.get("f", "?")))
+        call = IncomingCall(self, link, call_id, str(frame.meta.get("f", "?")))
         waits: list[asyncio.Future[Any]] = []
         try:
             func, args, kwargs = self._loads_request(
@@ -229,23 +236,9 @@ class Inbound:
         running[call.call_id] = None  # counted from now on: it may complete at once
         placement = describe(func)[0]
         if placement is Placement.THREAD:  # the reply is encoded in the pool thread too
-            self._runner.run_in_thread(
-                self._run_and_encode,
-                (call, func, args, kwargs),
-                {},
-                name=call.function,
-                context=context,
-                done=partial(self._write_reply, call),
-            )
-            return
-        cancel = self._runner.run_on_loop(
-            placement,
-            func,
-            args,
-            kwargs,
-            name=call.function,
-            context=context,
-            done=partial(self._reply, call),
+            func, args, kwargs = self._run_and_encode, (call, func, args, kwargs), {}
+        cancel = self._runner.run(
+            placement, func, args, kwargs, name=call.function, context=context, done=call
         )
         if cancel is not None and call.call_id in running:
             running[call.call_id] = cancel  # a CANCEL from the caller cancels it
@@ -314,25 +307,18 @@ class Inbound:
             raise
         return EncodedReply(parts, reverts)
 
-    def _write_reply(self, call: IncomingCall, ok: bool, value: Any) -> None:
-        """A THREAD call's completion: ``value`` is its EncodedReply, or what it raised."""
+    def _reply(self, call: IncomingCall, ok: bool, value: Any) -> None:
+        """Every call's completion: ``value`` is its result (an EncodedReply if it ran in
+        a pool thread), or what it raised."""
         if not self._retire(call):
-            if ok:
+            if ok and type(value) is EncodedReply:
                 undo(value.undo)  # the reply will never leave
-        elif ok:
+        elif not ok:
+            self._reply_failure(call, value)
+        elif type(value) is EncodedReply:
             call.link.write(value.parts)
         else:
-            self._reply_failure(call, value)
-
-    def _reply(self, call: IncomingCall, ok: bool, value: Any) -> None:
-        """The completion of a call run on the loop: ``value`` is its result, or what it
-        raised."""
-        if not self._retire(call):
-            return
-        if ok:
             self._send_result(call, value)
-        else:
-            self._reply_failure(call, value)
 
     def _send_result(self, call: IncomingCall, result: Any) -> None:
         reverts: Undo = []
@@ -388,7 +374,8 @@ class Inbound:
         if calls is None or call.call_id not in calls.running:
             return False
         del calls.running[call.call_id]
-        self._apply_backpressure(call.link)
+        if calls.paused:  # one fewer running: perhaps few enough to read again
+            self._apply_backpressure(call.link)
         return not call.link.closed
 
     def _apply_backpressure(self, link: Link) -> None:

@@ -102,47 +102,20 @@ class Runner:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         *,
-        name: str,
-        context: contextvars.Context,
-        done: Done,
-    ) -> asyncio.Future[Any] | None:
-        """Run ``func(*args, **kwargs)`` (``name`` in errors and timings) in ``context``
-        where ``placement`` says; ``done`` gets its outcome.  Returns what cancels it."""
-        if placement is Placement.THREAD:
-            self.run_in_thread(func, args, kwargs, name=name, context=context, done=done)
-            return None
-        return self.run_on_loop(
-            placement, func, args, kwargs, name=name, context=context, done=done
-        )
-
-    def run_in_thread(
-        self,
-        func: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
         name: Hashable,
         context: contextvars.Context,
         done: Done,
-    ) -> None:
-        """THREAD: run the call in a pool thread."""
-        slow = self._took.get(name, SPIN_BELOW) >= SPIN_BELOW
-        self.slow_threads_busy += slow
-        self._pool.submit(self._in_thread, PoolCall(name, func, args, kwargs, context, done, slow))
-
-    def run_on_loop(
-        self,
-        placement: Placement,
-        func: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        name: str,
-        context: contextvars.Context,
-        done: Done,
     ) -> asyncio.Future[Any] | None:
-        """INLINE, LOOP or AWAITABLE: call ``func`` here; complete now (INLINE) or when
-        what it returned completes."""
+        """Run ``func(*args, **kwargs)`` in ``context`` where ``placement`` says; ``done``
+        gets its outcome.  ``name``: what its run time is learnt under, and the
+        function in error messages.  Returns what cancels the call, if anything can."""
+        if placement is Placement.THREAD:
+            slow = self._took.get(name, SPIN_BELOW) >= SPIN_BELOW
+            self.slow_threads_busy += slow
+            self._pool.submit(
+                self._in_thread, PoolCall(name, func, args, kwargs, context, done, slow)
+            )
+            return None
         try:
             returned = context.run(func, *args, **kwargs)
         except BaseException as exc:
@@ -151,18 +124,7 @@ class Runner:
         if placement is Placement.INLINE:
             context.run(done, True, returned)
             return None
-        if isinstance(returned, Coroutine):
-            return self._loop.create_task(_complete_when_finished(returned, done), context=context)
-        try:
-            future = self._as_future(returned, name)
-        except TypeError as exc:
-            context.run(done, False, exc)
-            return None
-        if future.done():  # finished on the spot (a quick step, say): complete in this turn
-            context.run(_complete_from, done, future)
-        else:
-            future.add_done_callback(partial(_complete_from, done), context=context)
-        return future
+        return self._complete_when_done(returned, name, context, done)
 
     # -- learnt run times ------------------------------------------------------------
 
@@ -212,7 +174,25 @@ class Runner:
 
     # -- LOOP and AWAITABLE ----------------------------------------------------------
 
-    def _as_future(self, awaitable: Any, name: str) -> asyncio.Future[Any]:
+    def _complete_when_done(
+        self, returned: Any, name: Hashable, context: contextvars.Context, done: Done
+    ) -> asyncio.Future[Any] | None:
+        """Complete the call when what it returned (a coroutine, or an asyncio or torch
+        future) is done; what cancels it."""
+        if isinstance(returned, Coroutine):
+            return self._loop.create_task(_complete_when_finished(returned, done), context=context)
+        try:
+            future = self._as_future(returned, name)
+        except TypeError as exc:
+            context.run(done, False, exc)
+            return None
+        if future.done():  # finished on the spot (a quick step, say): complete in this turn
+            context.run(_complete_from, done, future)
+        else:
+            future.add_done_callback(partial(_complete_from, done), context=context)
+        return future
+
+    def _as_future(self, awaitable: Any, name: Hashable) -> asyncio.Future[Any]:
         if isinstance(awaitable, torch._C.Future):  # also what Future.then() returns
             future = self._loop.create_future()
 

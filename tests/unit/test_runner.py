@@ -216,10 +216,14 @@ async def test_a_failing_completion_does_not_strand_the_others() -> None:
     def broken(ok: bool, value: Any) -> None:
         raise RuntimeError("a bug in a completion")
 
-    one_thread.run_in_thread(int, (9,), {}, name="int", context=call_context(), done=broken)
+    one_thread.run(Placement.THREAD, int, (9,), {}, name="int", context=call_context(), done=broken)
     for i, completion in enumerate(done[:3]):
-        one_thread.run_in_thread(int, (i,), {}, name="int", context=call_context(), done=completion)
-    one_thread.run_in_thread(ran.set, (), {}, name="set", context=call_context(), done=done[3])
+        one_thread.run(
+            Placement.THREAD, int, (i,), {}, name="int", context=call_context(), done=completion
+        )
+    one_thread.run(
+        Placement.THREAD, ran.set, (), {}, name="set", context=call_context(), done=done[3]
+    )
     assert ran.wait(5)  # holding the loop: the calls before it are completed in one batch
     outcomes = [(await completion.outcome())[:2] for completion in done]
     assert outcomes == [(True, 0), (True, 1), (True, 2), (True, None)]
