@@ -6,12 +6,12 @@ Each request becomes an :class:`IncomingCall` (its link, call id and function
 name) and runs, in a copy of the agent's context with the variables its request
 carried, where :func:`~asyncrpc.agent.dispatch.describe` places it: the
 :class:`~asyncrpc.agent.runner.Runner` runs it and reports its outcome to the
-call's completion, which replies.  A THREAD call's job is its function *and*
-the serialisation of its result (with the copy of large buffers into shared
-memory, within the worker's budget), both in the pool thread; its completion
-writes the encoded reply.  On the loop, a result is serialised in the
-completion, and ``Link.send`` has large buffers copied into shared memory off
-the loop.
+call itself, which is its own completion and replies.  A THREAD call's job is
+its function *and* the serialisation of its result (with the copy of large
+buffers into shared memory, within the worker's budget), both in the pool
+thread: its outcome is an :class:`EncodedReply`, which the completion writes.
+The result of a call run on the loop is serialised in the completion, and
+``Link.send`` has large buffers copied into shared memory off the loop.
 
 :meth:`Inbound.invoke` runs a function by the same placement rules, through the
 same runner, for upper layers (an RRef's value is made this way); its
@@ -251,6 +251,29 @@ class Inbound:
         context, say); returns a future, on the loop, of its result.  Cancelling the
         future cancels the call where it can be (a task or awaitable)."""
         placement, name = describe(func)
+        return self._invoke(placement, name, func, args, kwargs)
+
+    def offload(self, kind: Hashable, func: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        """Framework compute ``func(*args)``: on the loop at once if the last job of
+        ``kind`` took under ``INLINE_BELOW`` seconds, else in the pool; a future of it."""
+        took = self._runner.took(kind)
+        if took is None or took >= INLINE_BELOW:  # the pool learns its time under kind
+            return self._invoke(Placement.THREAD, kind, func, args, {})
+        done = self._loop.create_future()
+        try:
+            done.set_result(self._timed(kind, func, *args))
+        except Exception as exc:
+            done.set_exception(exc)
+        return done
+
+    def _invoke(
+        self,
+        placement: Placement,
+        name: Hashable,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> asyncio.Future[Any]:
         context = self._context.copy()
         apply_carried(context, carried())
         future = self._loop.create_future()
@@ -266,19 +289,6 @@ class Inbound:
         if cancel is not None and not future.done():
             future.add_done_callback(partial(_cancel_with, cancel))
         return future
-
-    def offload(self, kind: Hashable, func: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
-        """Framework compute ``func(*args)``: on the loop at once if the last job of
-        ``kind`` took under ``INLINE_BELOW`` seconds, else in the pool; a future of it."""
-        took = self._runner.took(kind)
-        if took is None or took >= INLINE_BELOW:
-            return self.invoke(self._timed, (kind, func, *args), {})
-        done = self._loop.create_future()
-        try:
-            done.set_result(self._timed(kind, func, *args))
-        except Exception as exc:
-            done.set_exception(exc)
-        return done
 
     def _timed(self, kind: Hashable, func: Callable[..., Any], *args: Any) -> Any:
         started = time.perf_counter()
