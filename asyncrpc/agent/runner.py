@@ -25,12 +25,12 @@ Where each placement runs:
 
 * THREAD -- the worker's pool.  The outcome joins a queue, and one
   ``call_soon_threadsafe`` wakes the loop for however many are queued by then.
-  How long each function's last run took is kept: while only calls that proved
-  quick (under ``SPIN_BELOW``) are in the pool, ``slow_threads_busy`` is 0 and
-  the agent's loop may busy-poll for their outcomes; a slow one would have to
-  share the GIL with a spinning loop, so while one runs the loop sleeps.  A pool
-  thread cannot be interrupted: cancelling such a call is up to ``done`` (drop
-  the outcome).
+  How long the last run under each name (a function's; offload's kind) took is
+  kept: while only calls that proved quick (under ``SPIN_BELOW``) are in the
+  pool, ``slow_threads_busy`` is 0 and the agent's loop may busy-poll for their
+  outcomes; a slow one would have to share the GIL with a spinning loop, so
+  while one runs the loop sleeps.  A pool thread cannot be interrupted:
+  cancelling such a call is up to ``done`` (drop the outcome).
 * LOOP and AWAITABLE -- called on the loop.  A coroutine (what an ``async def``
   returns, or an ``@async_execution`` function may) runs in one wrapper task
   that completes the call in the step the coroutine finishes (a done callback
