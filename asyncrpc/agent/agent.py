@@ -79,7 +79,7 @@ from asyncrpc.agent.shutdown import (
     Tell,
 )
 from asyncrpc.agent.shutdown import Action as ShutdownAction
-from asyncrpc.agent.transfer import carried, dumps_request, loads_reply
+from asyncrpc.agent.transfer import carried, dumps_reply, dumps_request, loads_reply, loads_request
 from asyncrpc.agent.worker import WorkerAddress, WorkerInfo
 from asyncrpc.errors import (
     AgentStateError,
@@ -180,7 +180,12 @@ class RpcAgent:
         self._context.run(_current.set, self)
         self._poller = BusyPoller(0.0, self._worth_polling)  # its window is set in join()
         self._inbound = Inbound(
-            self, self._context, options.num_worker_threads, options.max_running_per_link
+            name,
+            self._context,
+            options.num_worker_threads,
+            options.max_running_per_link,
+            loads_request=functools.partial(loads_request, self),
+            dumps_reply=functools.partial(dumps_reply, self),
         )
         self._extensions: dict[str, Extension] = {}
         self._segments = (

@@ -3,27 +3,19 @@
 Theory of operation
 -------------------
 Each request becomes an :class:`IncomingCall` (its link, call id and function
-name) and runs where :func:`~asyncrpc.agent.dispatch.describe` places it:
+name) and runs, in a copy of the agent's context with the variables its request
+carried, where :func:`~asyncrpc.agent.dispatch.describe` places it: the
+:class:`~asyncrpc.agent.runner.Runner` runs it and reports its outcome to the
+call itself, which is its own completion and replies.  A THREAD call's job is
+its function *and* the serialisation of its result (with the copy of large
+buffers into shared memory, within the worker's budget), both in the pool
+thread: its outcome is an :class:`EncodedReply`, which the completion writes.
+The result of a call run on the loop is serialised in the completion, and
+``Link.send`` has large buffers copied into shared memory off the loop.
 
-* THREAD -- the worker's pool.  The function *and* the serialisation of its
-  result (with the copy of large buffers into shared memory, within the
-  worker's budget) run in the pool thread; the encoded reply joins a
-  completion queue, and one ``call_soon_threadsafe`` wakes the loop for however
-  many replies are queued by then.  How long each function's last call took is
-  kept: while only calls that proved quick (under ``SPIN_BELOW``) are in the
-  pool, the agent's loop keeps busy-polling for their replies; a slow one would
-  have to share the GIL with a spinning loop, so while one runs the loop sleeps.
-* LOOP -- an ``async def``: a task on the loop.  Its reply is serialised on the
-  loop; ``Link.send`` has large buffers copied into shared memory off the loop.
-* AWAITABLE -- ``@async_execution``: called on the loop; the reply leaves when
-  the returned awaitable completes (in the same turn if it already has).  Every
-  coroutine (an ``async def`` call, or one returned by an ``async_execution``
-  function) runs in one wrapper task that sends the reply in the step the
-  coroutine finishes.
-* INLINE -- ``@on_loop``: called on the loop at once; the reply leaves at once.
-
-:meth:`Inbound.invoke` runs a function by the same placement rules for upper
-layers (an RRef's value is made this way) and returns a future of its result.
+:meth:`Inbound.invoke` runs a function by the same placement rules, through the
+same runner, for upper layers (an RRef's value is made this way); its
+completion resolves a future instead of replying.
 :meth:`Inbound.offload` is for the framework's own compute (a backward piece, an
 optimizer step), which a training loop runs again and again at the same size:
 it learns how long each *kind* of job takes, and runs a kind that last took
@@ -39,27 +31,27 @@ CANCEL from the caller (its deadline passed) cancels a task or awaitable; a
 pool thread cannot be interrupted, and its late result is dropped.  Per link,
 more than ``max_running`` calls in flight pause reading until half of them
 have finished.
+
+``Inbound`` knows nothing of the agent: it gets the worker's name and the
+functions that (de)serialise the agent's messages (see
+:mod:`asyncrpc.agent.transfer`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import logging
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Coroutine, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-import torch
+from functools import partial
+from typing import Any, Protocol
 
 from asyncrpc.agent.dispatch import Placement, as_exception, describe, pack_error
 from asyncrpc.agent.outgoing import Outgoing
-from asyncrpc.agent.pool import WorkerPool
-from asyncrpc.agent.transfer import apply_carried, carried, dumps_reply, loads_request
+from asyncrpc.agent.runner import Runner
+from asyncrpc.agent.transfer import apply_carried, carried
 from asyncrpc.errors import (
     LocalProtocolError,
     RemoteError,
@@ -67,26 +59,56 @@ from asyncrpc.errors import (
     SerializationError,
 )
 from asyncrpc.transport import Link
+from asyncrpc.transport.link import Parts
 from asyncrpc.wire import Frame, Kind
-
-if TYPE_CHECKING:
-    from asyncrpc.agent.agent import RpcAgent
 
 log = logging.getLogger("asyncrpc.agent")
 calls_log = logging.getLogger("asyncrpc.agent.calls")  # failed calls, on the callee (INFO)
 
-# Seconds.  A trip through a pool thread costs two thread wake-ups (50 to 500 µs on small
-# VMs); stalling the loop for less than a millisecond costs other calls no more than that.
+# Seconds: framework compute that last took less runs on the loop (see Inbound.offload).
 INLINE_BELOW = 1e-3
-SPIN_BELOW = 200e-6  # seconds: a pool call this quick is waited for by busy-polling
-_KINDS_KEPT = 1024  # learnt job times kept (forgotten all at once past this)
 
 
-@dataclass(frozen=True, slots=True)
+class LoadsRequest(Protocol):
+    """A request's ``(func, args, kwargs)``; futures the call must not start before are
+    added to ``waits``."""
+
+    def __call__(
+        self,
+        peer_rank: int,
+        payload: bytes | bytearray,
+        buffers: Sequence[Any],
+        *,
+        waits: list[asyncio.Future[Any]],
+    ) -> Any: ...
+
+
+class DumpsReply(Protocol):
+    """``result`` serialised as the RESPONSE of call ``call_id`` (of ``function``)."""
+
+    def __call__(self, peer_rank: int, result: Any, *, call_id: int, function: str) -> Outgoing: ...
+
+
+@dataclass(slots=True)  # (not frozen: that makes one several times slower to make)
 class IncomingCall:
+    """A request being served.  It is its own completion: ``call(ok, value)`` replies."""
+
+    inbound: Inbound
     link: Link
     call_id: int
     function: str
+
+    def __call__(self, ok: bool, value: Any) -> None:
+        self.inbound._reply(self, ok, value)
+
+
+@dataclass(slots=True)
+class EncodedReply:
+    """The result of a call run in a pool thread, encoded there as its RESPONSE: the
+    reply, to be marked sent or abandoned."""
+
+    parts: Parts
+    reply: Outgoing
 
 
 @dataclass(slots=True)
@@ -99,20 +121,28 @@ class Inbound:
     """Runs the calls that arrive on a worker's accepted links."""
 
     def __init__(
-        self, agent: RpcAgent, context: contextvars.Context, threads: int, max_running: int
+        self,
+        worker: str,
+        context: contextvars.Context,
+        threads: int,
+        max_running: int,
+        *,
+        loads_request: LoadsRequest,
+        dumps_reply: DumpsReply,
     ) -> None:
-        self.worker = worker = agent.info.name
+        self.worker = worker
         self.max_running = max_running
-        self._agent = agent
         self._context = context
+        self._loads_request = loads_request
+        self._dumps_reply = dumps_reply
         self._loop = asyncio.get_running_loop()
-        self._pool = WorkerPool(threads, f"asyncrpc-{worker}")
+        self._runner = Runner(threads, f"asyncrpc-{worker}")
         self._links: dict[Link, _LinkCalls] = {}
-        self._completions: deque[tuple[IncomingCall, bool, Any, Outgoing | None, bool]] = deque()
-        self._lock = threading.Lock()
-        self._drain_scheduled = False
-        self.slow_threads_busy = 0  # pool jobs not proven quick, not yet back on the loop
-        self._took: dict[Hashable, float] = {}  # seconds the last job of a kind (or function) took
+
+    @property
+    def slow_threads_busy(self) -> int:
+        """Pool calls (incoming or invoked) not proven quick, not yet completed."""
+        return self._runner.slow_threads_busy
 
     # -- links ---------------------------------------------------------------------
 
@@ -146,7 +176,7 @@ class Inbound:
         for link in list(self._links):
             self.drop_link(link)
             link.close()
-        self._pool.shutdown()
+        self._runner.close()
 
     # -- frames --------------------------------------------------------------------
 
@@ -155,11 +185,11 @@ class Inbound:
         if type(call_id) is not int:
             link.abort(RemoteProtocolError(f"request without a call id from {link.peer.name!r}"))
             return
-        call = IncomingCall(link, call_id, str(frame.meta.get("f", "?")))
+        call = IncomingCall(self, link, call_id, str(frame.meta.get("f", "?")))
         waits: list[asyncio.Future[Any]] = []
         try:
-            func, args, kwargs = loads_request(
-                self._agent, link.peer.rank, frame.payload, frame.buffers, waits=waits
+            func, args, kwargs = self._loads_request(
+                link.peer.rank, frame.payload, frame.buffers, waits=waits
             )
         except Exception as exc:
             self._reply_error(
@@ -213,78 +243,35 @@ class Inbound:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> None:
-        """Run ``func`` for ``call`` in ``context`` (a copy of the agent's, for this call)."""
+        """Run ``func`` for ``call`` in ``context`` (a copy of the agent's, for this call);
+        its completion replies."""
         running = self._links[call.link].running
+        running[call.call_id] = None  # counted from now on: it may complete at once
         placement = describe(func)[0]
-        if placement is Placement.THREAD:
-            running[call.call_id] = None
-            slow = self._took.get(call.function, SPIN_BELOW) >= SPIN_BELOW
-            self.slow_threads_busy += slow
-            job = lambda: func(*args, **kwargs)  # noqa: E731
-            self._pool.submit(context.run, self._run_in_thread, call, job, slow)
-            return
-        try:
-            if placement is Placement.INLINE:  # the reply is pickled in the call's context too
-                context.run(self._send_inline_result, call, func, args, kwargs)
-                return
-            handler = self._call_on_loop(placement, context, func, args, kwargs)
-            if isinstance(handler, Coroutine):
-                running[call.call_id] = self._loop.create_task(
-                    self._serve(call, handler), context=context
-                )
-                return
-            future = self._as_future(handler, call.function)
-        except BaseException as exc:
-            self._reply_error(call, exc)
-            return
-        running[call.call_id] = future
-        if future.done():  # finished on the spot (a quick step, say): reply in this turn
-            context.run(self._reply_future, call, future)
-        else:
-            future.add_done_callback(lambda f: self._reply_future(call, f), context=context)
-
-    def _send_inline_result(
-        self,
-        call: IncomingCall,
-        func: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> None:
-        self._send_result(call, func(*args, **kwargs))
+        if placement is Placement.THREAD:  # the reply is encoded in the pool thread too
+            func, args, kwargs = self._run_and_encode, (call, func, args, kwargs), {}
+        cancel = self._runner.run(
+            placement, func, args, kwargs, name=call.function, context=context, done=call
+        )
+        if cancel is not None and call.call_id in running:
+            running[call.call_id] = cancel  # a CANCEL from the caller cancels it
 
     def invoke(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> asyncio.Future[Any]:
         """Run ``func`` where its placement says (as an incoming call would run, with
         the propagated variables of the caller's context: its distributed autograd
-        context, say); returns a future, on the loop, of its result."""
+        context, say); returns a future, on the loop, of its result.  Cancelling the
+        future cancels the call where it can be (a task or awaitable)."""
         placement, name = describe(func)
-        context = self._context.copy()
-        apply_carried(context, carried())
-        if placement is Placement.THREAD:
-            future = self._loop.create_future()
-            self.slow_threads_busy += 1
-            self._pool.submit(context.run, self._invoke_in_thread, future, func, args, kwargs)
-            return future
-        try:
-            if placement is Placement.INLINE:
-                done = self._loop.create_future()
-                done.set_result(context.run(func, *args, **kwargs))
-                return done
-            handler = self._call_on_loop(placement, context, func, args, kwargs)
-            if isinstance(handler, Coroutine):
-                return self._loop.create_task(_contained(handler), context=context)
-            return self._as_future(handler, name)
-        except Exception as exc:
-            failed = self._loop.create_future()
-            failed.set_exception(exc)
-            return failed
+        return self._invoke(placement, name, func, args, kwargs)
 
     def offload(self, kind: Hashable, func: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
         """Framework compute ``func(*args)``: on the loop at once if the last job of
         ``kind`` took under ``INLINE_BELOW`` seconds, else in the pool; a future of it."""
-        if self._took.get(kind, INLINE_BELOW) >= INLINE_BELOW:
-            return self.invoke(self._timed, (kind, func, *args), {})
+        took = self._runner.took(kind)
+        if took is None or took >= INLINE_BELOW:  # the pool learns its time under kind
+            return self._invoke(Placement.THREAD, kind, func, args, {})
         done = self._loop.create_future()
         try:
             done.set_result(self._timed(kind, func, *args))
@@ -292,137 +279,63 @@ class Inbound:
             done.set_exception(exc)
         return done
 
+    def _invoke(
+        self,
+        placement: Placement,
+        name: Hashable,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> asyncio.Future[Any]:
+        context = self._context.copy()
+        apply_carried(context, carried())
+        future = self._loop.create_future()
+        cancel = self._runner.run(
+            placement,
+            func,
+            args,
+            kwargs,
+            name=name,
+            context=context,
+            done=partial(_resolve, future),
+        )
+        if cancel is not None and not future.done():
+            future.add_done_callback(partial(_cancel_with, cancel))
+        return future
+
     def _timed(self, kind: Hashable, func: Callable[..., Any], *args: Any) -> Any:
         started = time.perf_counter()
         try:
             return func(*args)
         finally:
-            self._learn(kind, time.perf_counter() - started)
-
-    def _learn(self, kind: Hashable, seconds: float) -> None:
-        if len(self._took) >= _KINDS_KEPT:
-            self._took.clear()
-        self._took[kind] = seconds
-
-    @staticmethod
-    def _call_on_loop(
-        placement: Placement,
-        context: contextvars.Context,
-        func: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        """LOOP: the coroutine itself; AWAITABLE: whatever the function returns."""
-        if placement is Placement.LOOP:
-            return func(*args, **kwargs)
-        return context.run(func, *args, **kwargs)
-
-    def _invoke_in_thread(
-        self,
-        future: asyncio.Future[Any],
-        func: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> None:
-        try:
-            outcome: tuple[bool, Any] = (True, func(*args, **kwargs))
-        except BaseException as exc:
-            outcome = (False, as_exception(exc))
-        with contextlib.suppress(RuntimeError):  # loop closed: the agent has shut down
-            self._loop.call_soon_threadsafe(self._settle, future, *outcome)
-
-    def _settle(self, future: asyncio.Future[Any], ok: bool, value: Any) -> None:
-        self.slow_threads_busy -= 1
-        if future.done():
-            return
-        if ok:
-            future.set_result(value)
-        else:
-            future.set_exception(value)
-
-    async def _serve(self, call: IncomingCall, handler: Coroutine[Any, Any, Any]) -> None:
-        """Run an ``async def`` call and reply in the same step it finishes (a done
-        callback would cost the reply one more loop turn)."""
-        try:
-            result = await handler
-        except asyncio.CancelledError:
-            if self._retire(call):  # cancelled by the callee's own code: say so
-                self._reply_cancelled(call)
-            raise
-        except BaseException as exc:  # SystemExit too: it ends this call, not the worker
-            if self._retire(call):
-                self._reply_error(call, exc)
-            return
-        if self._retire(call):
-            self._send_result(call, result)
-
-    def _run_in_thread(self, call: IncomingCall, run: Callable[[], Any], slow: bool) -> None:
-        """In a pool thread: run the function and encode its reply right here."""
-        started = time.perf_counter()
-        reply: Outgoing | None = None
-        try:
-            reply = self._reply_of(call, run())
-            outcome: tuple[bool, Any] = (True, reply.encode_for(call.link))
-        except BaseException as exc:  # (a reply that failed to encode is abandoned)
-            outcome = (False, exc)
-        self._learn(call.function, time.perf_counter() - started)
-        self._completions.append((call, *outcome, reply, slow))
-        with self._lock:
-            if self._drain_scheduled:
-                return
-            self._drain_scheduled = True
-        with contextlib.suppress(RuntimeError):  # loop closed: the agent has shut down
-            self._loop.call_soon_threadsafe(self._drain_completions)
-
-    def _drain_completions(self) -> None:
-        """On the loop: send every queued pool-thread reply (one wake-up per batch)."""
-        with self._lock:
-            self._drain_scheduled = False
-        while self._completions:
-            call, ok, value, reply, slow = self._completions.popleft()
-            self.slow_threads_busy -= slow
-            if not self._retire(call):
-                if reply is not None:
-                    reply.abandon()  # nobody awaits it
-                continue
-            if ok and reply is not None:
-                call.link.write(value)
-                reply.sent()
-            else:
-                self._reply_error(call, value)
-
-    def _as_future(self, awaitable: Any, function: str) -> asyncio.Future[Any]:
-        if isinstance(awaitable, torch._C.Future):  # also what Future.then() returns
-            future = self._loop.create_future()
-
-            def done(source: torch._C.Future[Any]) -> None:
-                self._loop.call_soon_threadsafe(_copy_torch_future, source, future)
-
-            awaitable.add_done_callback(done)
-            return future
-        if asyncio.isfuture(awaitable):
-            # Callers often share one future (a batch): cancelling this call's view of
-            # it (its caller timed out) must not cancel it for the others.
-            return asyncio.shield(awaitable)
-        raise TypeError(
-            f"async_execution function {function} returned "
-            f"{type(awaitable).__name__}, not an awaitable "
-            "(asyncio future, coroutine or torch.futures.Future)"
-        )
+            self._runner.learn(kind, time.perf_counter() - started)
 
     # -- replies -------------------------------------------------------------------
 
-    def _reply_future(self, call: IncomingCall, future: asyncio.Future[Any]) -> None:
+    def _run_and_encode(
+        self,
+        call: IncomingCall,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> EncodedReply:
+        """In a pool thread: a THREAD call's job, its function and its reply's encoding."""
+        reply = self._reply_of(call, func(*args, **kwargs))
+        return EncodedReply(reply.encode_for(call.link), reply)  # (abandoned if refused)
+
+    def _reply(self, call: IncomingCall, ok: bool, value: Any) -> None:
+        """Every call's completion: ``value`` is its result (an EncodedReply if it ran in
+        a pool thread), or what it raised."""
         if not self._retire(call):
-            return
-        if future.cancelled():  # by the callee's own code: the caller still waits
-            self._reply_cancelled(call)
-            return
-        error = future.exception()
-        if error is not None:
-            self._reply_error(call, error)
-            return
-        self._send_result(call, future.result())
+            if ok and type(value) is EncodedReply:
+                value.reply.abandon()  # nobody awaits it
+        elif not ok:
+            self._reply_failure(call, value)
+        elif type(value) is EncodedReply:
+            call.link.write(value.parts)
+            value.reply.sent()
+        else:
+            self._send_result(call, value)
 
     def _send_result(self, call: IncomingCall, result: Any) -> None:
         try:
@@ -432,14 +345,14 @@ class Inbound:
 
     def _reply_of(self, call: IncomingCall, result: Any) -> Outgoing:
         """``result`` serialised as ``call``'s RESPONSE."""
-        return dumps_reply(
-            self._agent, call.link.peer.rank, result, call_id=call.call_id, function=call.function
+        return self._dumps_reply(
+            call.link.peer.rank, result, call_id=call.call_id, function=call.function
         )
 
-    def _reply_cancelled(self, call: IncomingCall) -> None:
-        self._reply_error(
-            call, RemoteError(f"{call.function} was cancelled on worker {self.worker!r}")
-        )
+    def _reply_failure(self, call: IncomingCall, exc: BaseException) -> None:
+        if isinstance(exc, asyncio.CancelledError):  # by the callee's own code
+            exc = RemoteError(f"{call.function} was cancelled on worker {self.worker!r}")
+        self._reply_error(call, exc)
 
     def _reply_error(self, call: IncomingCall, exc: BaseException) -> None:
         """Send ``exc`` as the call's ERROR reply.  An error too large for the caller is
@@ -479,7 +392,8 @@ class Inbound:
         if calls is None or call.call_id not in calls.running:
             return False
         del calls.running[call.call_id]
-        self._apply_backpressure(call.link)
+        if calls.paused:  # one fewer running: perhaps few enough to read again
+            self._apply_backpressure(call.link)
         return not call.link.closed
 
     def _apply_backpressure(self, link: Link) -> None:
@@ -492,19 +406,18 @@ class Inbound:
             link.resume_reading()
 
 
-async def _contained(coroutine: Coroutine[Any, Any, Any]) -> Any:
-    """Run ``coroutine``; a KeyboardInterrupt or SystemExit it raises fails its future
-    instead of escaping the task and stopping the worker's loop."""
-    try:
-        return await coroutine
-    except (KeyboardInterrupt, SystemExit) as exc:
-        raise as_exception(exc) from exc
-
-
-def _copy_torch_future(source: torch._C.Future[Any], target: asyncio.Future[Any]) -> None:
-    if target.done():
+def _resolve(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    """An invoked call's completion."""
+    if future.done():  # cancelled by whoever waited for it
         return
-    try:
-        target.set_result(source.value())
-    except BaseException as exc:
-        target.set_exception(exc)
+    if ok:
+        future.set_result(value)
+    elif isinstance(value, asyncio.CancelledError):
+        future.cancel()
+    else:
+        future.set_exception(as_exception(value))
+
+
+def _cancel_with(cancel: asyncio.Future[Any], future: asyncio.Future[Any]) -> None:
+    if future.cancelled():
+        cancel.cancel()
