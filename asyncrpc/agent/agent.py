@@ -94,6 +94,7 @@ from asyncrpc.serde import allocate_tensor_storage
 from asyncrpc.transport import (
     DEFAULT_BUDGET,
     DEFAULT_MAX_IDLE,
+    SCHEMES,
     Admission,
     Link,
     SegmentPool,
@@ -155,6 +156,11 @@ class AgentOptions:
     def __post_init__(self) -> None:
         if self.shared_memory_budget < 0 or self.shared_memory_idle < 0:
             raise ValueError("shared_memory_budget and shared_memory_idle must be >= 0")
+        unknown = [t for t in self.transports if t not in SCHEMES]
+        if unknown or not self.transports:
+            raise ValueError(
+                f"transports {list(self.transports)}: each must be one of {sorted(SCHEMES)}"
+            )
 
 
 @dataclass(slots=True)
@@ -221,12 +227,9 @@ class RpcAgent:
     async def start(self) -> WorkerAddress:
         """Listen on every configured transport; returns the address to publish."""
         addresses = {}
+        unique = f"asyncrpc-{self.identity.pid}-{id(self):x}"
         for scheme in self.options.transports:
-            target = (
-                f"unix://@asyncrpc-{self.identity.pid}-{id(self):x}"
-                if scheme == "unix"
-                else f"tcp://{self.options.listen_host}:0"
-            )
+            target = SCHEMES[scheme].listen_target(self.options.listen_host, unique)
             server, bound = await listen(target, self._inbound_link)
             self._servers.append(server)
             addresses[scheme] = bound
@@ -563,7 +566,7 @@ class RpcAgent:
     def _choose_address(self, target: WorkerAddress) -> str:
         same_host = target.host == self.identity.host
         for scheme in self.options.transports:
-            if scheme in target.addresses and (scheme != "unix" or same_host):
+            if scheme in target.addresses and (same_host or not SCHEMES[scheme].host_local):
                 return target.addresses[scheme]
         raise PeerLostError(f"no common transport with worker {target.name!r}", worker=target.name)
 

@@ -2,8 +2,10 @@
 
 A unix path that starts with ``@`` names a Linux abstract socket (no file to
 clean up).  ``listen`` returns the bound address in the same form, with a real
-port in place of port 0.  New schemes register a listener and a dialer in
-``SCHEMES``.
+port in place of port 0.  A scheme is a :class:`Scheme` in ``SCHEMES``: how to
+listen and dial, what a worker listens on (``listen_target``), and whether it
+reaches only workers of the same host (``host_local``).  The agent asks nothing
+else of a transport, so a new one is a new entry here.
 """
 
 from __future__ import annotations
@@ -23,8 +25,15 @@ Factory = Callable[[], asyncio.BaseProtocol]
 
 @dataclass(frozen=True, slots=True)
 class Scheme:
+    """One transport: ``listen(factory, rest)`` and ``dial(factory, rest)`` take an
+    address without its ``scheme://``; ``listen_target(host, unique)`` is the address a
+    worker listens on, given the job's listen host and a name unique on this host;
+    ``host_local`` schemes are used only between workers of one host."""
+
     listen: Callable[[Factory, str], Awaitable[tuple[asyncio.AbstractServer, str]]]
     dial: Callable[[Factory, str], Awaitable[asyncio.BaseProtocol]]
+    listen_target: Callable[[str, str], str]
+    host_local: bool = False
 
 
 def _split(address: str) -> tuple[str, str]:
@@ -81,8 +90,10 @@ async def _dial_unix(factory: Factory, rest: str) -> asyncio.BaseProtocol:
 
 
 SCHEMES: dict[str, Scheme] = {
-    "tcp": Scheme(_listen_tcp, _dial_tcp),
-    "unix": Scheme(_listen_unix, _dial_unix),
+    "tcp": Scheme(_listen_tcp, _dial_tcp, lambda host, _: f"tcp://{host}:0"),
+    "unix": Scheme(
+        _listen_unix, _dial_unix, lambda _, unique: f"unix://@{unique}", host_local=True
+    ),
 }
 
 

@@ -481,3 +481,31 @@ async def test_a_call_made_as_the_link_comes_up_does_not_overtake_queued_ones(
     second = a.rpc_async(b.info.name, arrive, (2,))
     await asyncio.gather(first, second)
     assert ARRIVALS == [1, 2]
+
+
+def test_an_unknown_transport_is_refused_naming_the_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"\['ipc'\].*each must be one of \['tcp', 'unix'\]"):
+        AgentOptions(transports=("ipc",))
+
+
+async def test_a_scheme_registered_in_schemes_serves_agents_unchanged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The agent asks a transport only what its Scheme says: a new entry in SCHEMES (here
+    tcp under another name, host-local) is listened on, published and dialed."""
+    from asyncrpc.transport import endpoints
+
+    tcp = endpoints.SCHEMES["tcp"]
+
+    async def listen(factory: endpoints.Factory, rest: str) -> tuple[asyncio.AbstractServer, str]:
+        server, bound = await tcp.listen(factory, rest)
+        return server, bound.replace("tcp://", "loop://", 1)
+
+    loop_scheme = endpoints.Scheme(
+        listen, tcp.dial, lambda host, _: f"loop://{host}:0", host_local=True
+    )
+    monkeypatch.setitem(endpoints.SCHEMES, "loop", loop_scheme)
+    async with joined_agents("ab", AgentOptions(transports=("loop",), rpc_timeout=10)) as (a, b):
+        assert a.address is not None and list(a.address.addresses) == ["loop"]
+        assert a.address.addresses["loop"].startswith("loop://127.0.0.1:")
+        assert await b.rpc_async("a", operator.add, (2, 3)) == 5
