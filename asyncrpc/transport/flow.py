@@ -40,6 +40,8 @@ class WriteCoalescer:
     """When parts leave; see the module docstring.  Every method returns the parts to
     write now, in order (an empty list: nothing to write)."""
 
+    __slots__ = ("_last_message", "_outbox", "clock", "in_turn", "max_parts", "paused", "within")
+
     def __init__(
         self,
         clock: Callable[[], float] = time.perf_counter,
@@ -100,6 +102,8 @@ class ReadGate:
     """Whether the transport reads; see the module docstring.  Each method answers
     whether the transport must now be told (to pause for ``pause`` and ``fall_behind``,
     to resume for ``resume`` and ``catch_up``)."""
+
+    __slots__ = ("catching_up", "paused", "reading")
 
     def __init__(self) -> None:
         self.paused = False  # by the owner
