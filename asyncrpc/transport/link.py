@@ -30,7 +30,7 @@ filled by the segment pool's copier threads, unless the copy is small
 message and every later one on this link wait in ``_queue``, and leave in
 order: a link is FIFO whatever its messages carry (``close`` waits for the
 queue too; a copy always finishes).  A message without such buffers, on a link
-with nothing queued, is written at once, with no thread hop.  A buffer the
+with nothing queued, goes on to be written at once, with no thread hop.  A buffer the
 pool's budget has no room for goes through the socket, inline, as a buffer
 under the threshold would.
 
