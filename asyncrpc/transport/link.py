@@ -253,10 +253,8 @@ class Link(asyncio.BufferedProtocol):
         return False
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        cause = exc if exc is not None else None
-        error = self._lost_error(f"connection lost ({cause or 'closed'})")
-        if cause is not None:
-            error.__cause__ = cause
+        error = self._lost_error(f"connection lost ({exc or 'closed'})")
+        error.__cause__ = exc
         self._finish(error)
 
     def pause_writing(self) -> None:
