@@ -2,33 +2,69 @@
 
 Public names follow ``torch.distributed.rpc``; every call that touches the
 network is awaitable.  See README.md and docs/ for the guide.
+
+The package root imports nothing until a name is used (PEP 562): ``asyncrpc.init_rpc``
+and ``from asyncrpc import RRef`` load what they need on first use, while the layers
+below (``asyncrpc.wire``, ``asyncrpc.transport``) load without torch.
 """
 
-from asyncrpc import autograd, functions, nn, optim
-from asyncrpc.agent import WorkerInfo
-from asyncrpc.api import (
-    get_debug_info,
-    get_worker_info,
-    init_rpc,
-    rpc_async,
-    rpc_sync,
-    shutdown,
-)
-from asyncrpc.errors import (
-    AgentStateError,
-    AsyncRPCError,
-    HandshakeError,
-    PeerLostError,
-    ProtocolError,
-    RemoteError,
-    RPCTimeoutError,
-    RRefError,
-    SerializationError,
-    UnknownWorkerError,
-)
-from asyncrpc.rref import RRef, remote
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncrpc import autograd, functions, nn, optim
+    from asyncrpc.agent import WorkerInfo
+    from asyncrpc.api import (
+        get_debug_info,
+        get_worker_info,
+        init_rpc,
+        rpc_async,
+        rpc_sync,
+        shutdown,
+    )
+    from asyncrpc.errors import (
+        AgentStateError,
+        AsyncRPCError,
+        HandshakeError,
+        PeerLostError,
+        ProtocolError,
+        RemoteError,
+        RPCTimeoutError,
+        RRefError,
+        SerializationError,
+        UnknownWorkerError,
+    )
+    from asyncrpc.rref import RRef, remote
 
 __version__ = "0.1.0"
+
+_SUBMODULES = frozenset({"autograd", "functions", "nn", "optim"})
+_DEFINED_IN = {  # every other public name: the module it comes from
+    "WorkerInfo": "asyncrpc.agent",
+    **dict.fromkeys(
+        ("get_debug_info", "get_worker_info", "init_rpc", "rpc_async", "rpc_sync", "shutdown"),
+        "asyncrpc.api",
+    ),
+    **dict.fromkeys(
+        (
+            "AgentStateError",
+            "AsyncRPCError",
+            "HandshakeError",
+            "PeerLostError",
+            "ProtocolError",
+            "RPCTimeoutError",
+            "RRefError",
+            "RemoteError",
+            "SerializationError",
+            "UnknownWorkerError",
+        ),
+        "asyncrpc.errors",
+    ),
+    "RRef": "asyncrpc.rref",
+    "remote": "asyncrpc.rref",
+}
 
 __all__ = (
     "AgentStateError",
@@ -55,3 +91,19 @@ __all__ = (
     "rpc_sync",
     "shutdown",
 )
+
+
+def __getattr__(name: str) -> object:
+    """Import a public name on first use, then keep it as a plain attribute."""
+    if name in _SUBMODULES:
+        value: object = importlib.import_module(f"{__name__}.{name}")
+    elif name in _DEFINED_IN:
+        value = getattr(importlib.import_module(_DEFINED_IN[name]), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -4,12 +4,12 @@ Theory of operation
 -------------------
 :class:`Copiers` are a segment pool's threads that fill segments: started with
 the pool, fed through a queue.  (``ThreadPoolExecutor`` starts its threads on
-the first submits, and starting a thread waits until it runs: tens of ms on a
-loaded 2-vCPU host, on the event loop that submitted.)  A job's references go
-when it ends, so a tensor being copied lives no longer than its copy.
+the first submits, and starting a thread waits until it runs, on the event loop
+that submitted.)  A job's references go when it ends, so a tensor being copied
+lives no longer than its copy.
 
-Giving shared memory back is slow: the last unmap of a segment frees its pages,
-which took 10-30 ms for 64 MiB and 90-750 ms for 400 MiB on our 2-core VM.  So
+Giving shared memory back is slow: the last unmap of a segment frees its pages
+(docs/architecture.md, "Copies off the loop", has the measurements).  So
 the objects that hold mappings are handed to :data:`housekeeper`, whose thread
 drops them (``drop`` empties the list it is given, so the caller's references
 are gone and the thread's are the last; a reference held elsewhere, such as a

@@ -30,13 +30,21 @@ filled by the segment pool's copier threads, unless the copy is small
 message and every later one on this link wait in ``_queue``, and leave in
 order: a link is FIFO whatever its messages carry (``close`` waits for the
 queue too; a copy always finishes).  A message without such buffers, on a link
-with nothing queued, is written at once, with no thread hop.  A buffer the
+with nothing queued, goes on to be written at once, with no thread hop.  A buffer the
 pool's budget has no room for goes through the socket, inline, as a buffer
 under the threshold would.
 
-Parts written in one loop iteration leave in one ``writelines`` call.  When
-the transport's buffer passes its high-water mark (``pause_writing``), parts
-wait in our outbox until ``resume_writing``.
+When a message leaves is the :class:`~asyncrpc.transport.flow.WriteCoalescer`'s
+call: at once, unless it follows another within ``COALESCE_WITHIN`` in the same
+loop turn; then it leaves with its burst, in one ``writelines``, at the turn's
+end.  When the transport's buffer passes its high-water mark (``pause_writing``),
+parts wait in the coalescer's outbox until ``resume_writing``; ``close`` writes
+them anyway (the transport buffers them and writes them before it closes).
+
+Receiving: complete frames are handed up at most ``FRAMES_PER_TURN`` per loop
+turn; while frames wait for a later turn (catching up), or while the owner has
+paused the link (``pause_reading``), the transport reads no more
+(:class:`~asyncrpc.transport.flow.ReadGate`).
 
 Segment bookkeeping travels both ways: RELEASE tells the peer we no longer map
 its segments (our tensors on them died), UNMAP tells it that we closed
@@ -56,7 +64,7 @@ import logging
 import socket
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -67,6 +75,7 @@ from asyncrpc.errors import (
     ProtocolError,
     RemoteProtocolError,
 )
+from asyncrpc.transport.flow import Parts, ReadGate, WriteCoalescer
 from asyncrpc.transport.shm import (
     DEFAULT_BUDGET,
     SHM_THRESHOLD,
@@ -91,17 +100,11 @@ from asyncrpc.wire import (
 
 log = logging.getLogger("asyncrpc.transport")
 FRAMES_PER_TURN = 32
-FLUSH_PARTS = 64
-COALESCE_WITHIN = 50e-6
-"""Seconds.  A message that follows another on a link this soon, in the same loop
-turn, is part of a burst and waits for the end of the turn; one that comes later leaves
-at once: holding it could cost far more than the ~10 µs system call it saves (a
-training loop computes for 100 µs or more between two messages of one turn)."""
+"""Frames handed up per loop turn before the loop gets to run other work."""
 INLINE_COPY_MAX = 4 << 20
-"""Bytes.  A copy this small into a warm segment (pages faulted in by an earlier
-copy) takes 0.1-0.7 ms on our 2-core VM: it runs on the loop, which costs other
-work no more than a trip to a copier thread and back would cost this message."""
-Parts = list[bytes | memoryview]
+"""Bytes.  A copy this small into a warm segment (pages faulted in by an earlier copy)
+runs on the loop: it costs other work no more than a trip to a copier thread and back
+would cost this message (docs/architecture.md, "Copies off the loop")."""
 Fills = list[tuple[Segment, memoryview]]
 
 
@@ -147,6 +150,7 @@ class Link(asyncio.BufferedProtocol):
         segments: SegmentPool | None = None,
         max_mapped_bytes: int = DEFAULT_BUDGET,
         handshake_timeout: float = 10.0,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.handler = handler
         self.handshake = handshake
@@ -163,13 +167,8 @@ class Link(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._queue: deque[_Queued] = deque()  # behind a message whose segments are filling
         self._close_when_sent = False
-        self._outbox: Parts = []
-        self._flush_scheduled = False
-        self._last_message = 0.0  # perf_counter() of the last message written
-        self._paused = False
-        self._reading_paused = False  # the owner's backpressure
-        self._catching_up = False  # staged frames still wait for their turn
-        self._reading = True  # what the transport was last told
+        self._writes = WriteCoalescer(clock, paused=True)  # until connection_made
+        self._reads = ReadGate()
         self._segment_keys: dict[Kind, list[int]] = {}  # RELEASE and UNMAP, batched
         self._handshake_timer = self._loop.call_later(handshake_timeout, self._handshake_expired)
 
@@ -203,6 +202,7 @@ class Link(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._write_parts(self._writes.resume())
         for kind, meta in self.handshake.start():
             self.send(kind, meta)
 
@@ -222,11 +222,11 @@ class Link(asyncio.BufferedProtocol):
         """
         try:
             for _ in range(FRAMES_PER_TURN):
-                if self.closed or self._reading_paused:
+                if self.closed or self._reads.paused:
                     return
                 frame = self._decoder.next_event()
                 if frame is NEED_DATA:
-                    self._set_catching_up(False)
+                    self._update_reading(self._reads.catch_up())
                     return
                 assert isinstance(frame, Frame)
                 self._dispatch(frame)
@@ -237,20 +237,13 @@ class Link(asyncio.BufferedProtocol):
             log.exception("internal error handling a frame on %r; dropping the link", self)
             self.abort(exc)
             return
-        self._set_catching_up(True)
+        self._update_reading(self._reads.fall_behind())
         self._loop.call_soon(self._process_frames)
 
-    def _set_catching_up(self, catching_up: bool) -> None:
-        """While staged frames wait for their turn, read no more from the socket."""
-        if catching_up != self._catching_up:
-            self._catching_up = catching_up
-            self._apply_reading()
-
-    def _apply_reading(self) -> None:
-        want = not (self._reading_paused or self._catching_up)
-        if self._transport is not None and not self.closed and want != self._reading:
-            self._reading = want
-            if want:
+    def _update_reading(self, changed: bool) -> None:
+        """Tell the transport whether to read, if the read gate ``changed``."""
+        if changed and self._transport is not None and not self.closed:
+            if self._reads.reading:
                 self._transport.resume_reading()
             else:
                 self._transport.pause_reading()
@@ -260,18 +253,15 @@ class Link(asyncio.BufferedProtocol):
         return False
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        cause = exc if exc is not None else None
-        error = self._lost_error(f"connection lost ({cause or 'closed'})")
-        if cause is not None:
-            error.__cause__ = cause
+        error = self._lost_error(f"connection lost ({exc or 'closed'})")
+        error.__cause__ = exc
         self._finish(error)
 
     def pause_writing(self) -> None:
-        self._paused = True
+        self._writes.pause()
 
     def resume_writing(self) -> None:
-        self._paused = False
-        self._flush()
+        self._write_parts(self._writes.resume())
 
     # -- sending -------------------------------------------------------------------
 
@@ -439,40 +429,22 @@ class Link(asyncio.BufferedProtocol):
             self._write_now(parts)
 
     def _write_now(self, parts: Parts) -> None:
-        """A message leaves at once unless the one before it on this link came less than
-        ``COALESCE_WITHIN`` earlier in this loop turn: a burst waits for the end of the
-        turn (or until FLUSH_PARTS are waiting) and leaves in one system call; a message
-        after a pause takes what waits along with it."""
+        """Hand a message to the coalescer (see ``WriteCoalescer``): it leaves now or
+        with its burst at the end of this loop turn."""
         if self.closed:
             return
         self.handler.frames_sent(self)
-        now = time.perf_counter()
-        in_burst = self._flush_scheduled and now - self._last_message < COALESCE_WITHIN
-        self._last_message = now
-        if self._paused or self._transport is None or in_burst:
-            self._outbox.extend(parts)
-            if len(self._outbox) >= FLUSH_PARTS:
-                self._flush()
-            elif not self._flush_scheduled:
-                self._flush_scheduled = True
-                self._loop.call_soon(self._scheduled_flush)
-            return
-        if self._outbox:  # what waits goes first, in order
-            parts, self._outbox = [*self._outbox, *parts], []
-        self._transport.writelines(parts)
-        if not self._flush_scheduled:  # marks "wrote this turn"
-            self._flush_scheduled = True
-            self._loop.call_soon(self._scheduled_flush)
+        if not self._writes.in_turn:
+            self._loop.call_soon(self._end_turn)
+        self._write_parts(self._writes.send(parts))
 
-    def _scheduled_flush(self) -> None:
-        self._flush_scheduled = False
-        self._flush()
+    def _end_turn(self) -> None:
+        self._write_parts(self._writes.end_turn())
 
-    def _flush(self) -> None:
-        if self._paused or self.closed or not self._outbox or self._transport is None:
-            return
-        parts, self._outbox = self._outbox, []
-        self._transport.writelines(parts)
+    def _write_parts(self, parts: Parts) -> None:
+        if parts and not self.closed:
+            assert self._transport is not None, "writes wait until connection_made"
+            self._transport.writelines(parts)
 
     def segment_released(self, key: int) -> None:
         """A mapping of the peer's segment died (any thread): tell the peer, batched."""
@@ -502,12 +474,11 @@ class Link(asyncio.BufferedProtocol):
 
     def pause_reading(self) -> None:
         """Stop handing frames up (already-received ones wait) and stop reading the socket."""
-        self._reading_paused = True
-        self._apply_reading()
+        self._update_reading(self._reads.pause())
 
     def resume_reading(self) -> None:
-        self._reading_paused = False
-        self._apply_reading()
+        """Hand up the frames that waited (from the next loop turn on), then read again."""
+        self._update_reading(self._reads.resume())
         self._loop.call_soon(self._process_frames)
 
     # -- receiving -----------------------------------------------------------------
@@ -558,8 +529,8 @@ class Link(asyncio.BufferedProtocol):
         if self._queue:
             self._close_when_sent = True
             return
-        self._flush()
         if self._transport is not None:
+            self._write_parts(self._writes.drain())  # paused or not: the transport buffers
             self._transport.close()
 
     def abort(self, exc: BaseException) -> None:
@@ -577,7 +548,7 @@ class Link(asyncio.BufferedProtocol):
             return
         self.closed = True
         self._handshake_timer.cancel()
-        self._outbox = []
+        self._writes.drain()
         self._queue.clear()
         if self._segments is not None:
             self._segments.forget(self)

@@ -165,8 +165,8 @@ class SegmentOwner(Protocol):
 @dataclass(slots=True, eq=False)
 class Segment:
     """One memfd and the sender's mapping of it, made by the first ``fill``: an mmap
-    waits for the process's other mmaps and munmaps (hundreds of ms when one unmaps
-    400 MiB), so it is no work for an event loop."""
+    waits for the process's other mmaps and munmaps (a large unmap takes long), so it
+    is no work for an event loop."""
 
     key: int
     fd: int

@@ -1,0 +1,204 @@
+"""Unit tests for a Link's flow-control policies (sans-IO): write coalescing, the read gate."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from asyncrpc.transport.flow import COALESCE_WITHIN, FLUSH_PARTS, ReadGate, WriteCoalescer
+
+SOON = COALESCE_WITHIN / 2  # within a burst
+LATER = COALESCE_WITHIN * 2  # after a pause in the same turn
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def writes(clock: Clock) -> WriteCoalescer:
+    return WriteCoalescer(clock)
+
+
+# -- write coalescing ------------------------------------------------------------------
+
+
+def test_the_first_message_of_a_turn_leaves_at_once(writes: WriteCoalescer) -> None:
+    assert not writes.in_turn
+    assert writes.send([b"a"]) == [b"a"]
+    assert writes.in_turn
+
+
+def test_a_burst_waits_for_the_end_of_the_turn_and_leaves_in_one_write(
+    writes: WriteCoalescer, clock: Clock
+) -> None:
+    assert writes.send([b"a"]) == [b"a"]
+    for part in (b"b", b"c", b"d"):
+        clock.advance(SOON)
+        assert writes.send([part]) == []
+    assert writes.waiting == 3
+    assert writes.end_turn() == [b"b", b"c", b"d"]
+    assert not writes.in_turn and writes.waiting == 0
+    assert writes.end_turn() == []
+
+
+def test_a_burst_is_measured_from_the_previous_message_not_the_first(
+    writes: WriteCoalescer, clock: Clock
+) -> None:
+    writes.send([b"a"])
+    for part in (b"b", b"c", b"d"):  # together 1.5 x COALESCE_WITHIN after the first
+        clock.advance(SOON)
+        assert writes.send([part]) == []
+
+
+def test_a_message_after_a_pause_in_the_turn_leaves_at_once_taking_the_burst_along(
+    writes: WriteCoalescer, clock: Clock
+) -> None:
+    writes.send([b"a"])
+    clock.advance(SOON)
+    writes.send([b"b", b"c"])
+    clock.advance(LATER)
+    assert writes.send([b"d"]) == [b"b", b"c", b"d"]
+    assert writes.waiting == 0
+
+
+def test_the_first_message_of_the_next_turn_leaves_at_once_however_soon(
+    writes: WriteCoalescer, clock: Clock
+) -> None:
+    writes.send([b"a"])
+    writes.end_turn()
+    clock.advance(SOON)
+    assert writes.send([b"b"]) == [b"b"]
+
+
+def test_a_long_burst_leaves_every_max_parts(writes: WriteCoalescer, clock: Clock) -> None:
+    writes.send([b"first"])
+    for i in range(FLUSH_PARTS - 1):
+        clock.advance(SOON)
+        assert writes.send([bytes([i])]) == []
+    clock.advance(SOON)
+    written = writes.send([b"last"])
+    assert len(written) == FLUSH_PARTS
+    assert written[-1] == b"last" and writes.waiting == 0
+
+
+def test_paused_everything_waits_and_resume_hands_it_back_in_order(
+    writes: WriteCoalescer, clock: Clock
+) -> None:
+    writes.pause()
+    for i in range(FLUSH_PARTS + 5):  # past max_parts too: the transport said stop
+        clock.advance(LATER)
+        assert writes.send([bytes([i])]) == []
+    assert writes.end_turn() == []
+    assert writes.resume() == [bytes([i]) for i in range(FLUSH_PARTS + 5)]
+    assert writes.waiting == 0
+    assert writes.send([b"x"]) == [b"x"]
+
+
+def test_drain_takes_everything_even_paused(writes: WriteCoalescer) -> None:
+    writes.pause()
+    writes.send([b"a"])
+    assert writes.drain() == [b"a"]
+    assert writes.resume() == []
+
+
+def test_starting_paused_holds_writes_until_resumed(clock: Clock) -> None:
+    writes = WriteCoalescer(clock, paused=True)
+    assert writes.send([b"hello"]) == []
+    assert writes.resume() == [b"hello"]
+
+
+def test_any_sequence_of_events_keeps_every_part_once_and_in_order() -> None:
+    """Exhaustively, over short sequences of events: nothing is lost, duplicated or
+    reordered, nothing leaves while paused, and nothing waits once resumed at a turn's end."""
+    events = ("send soon", "send later", "end turn", "pause", "resume")
+    for sequence in itertools.product(events, repeat=6):
+        clock = Clock()
+        writes = WriteCoalescer(clock)
+        sent: list[bytes | memoryview] = []
+        written: list[bytes | memoryview] = []
+        for n, event in enumerate(sequence):
+            if event.startswith("send"):
+                clock.advance(SOON if event == "send soon" else LATER)
+                sent.append(b"%d" % n)
+                out = writes.send([sent[-1]])
+            elif event == "end turn":
+                out = writes.end_turn()
+            elif event == "pause":
+                writes.pause()
+                out = []
+            else:
+                out = writes.resume()
+            assert not (writes.paused and out), sequence
+            written += out
+        written += writes.resume() + writes.end_turn()
+        assert written == sent, sequence
+
+
+# -- the read gate ---------------------------------------------------------------------
+
+
+def test_the_gate_reads_until_told_otherwise() -> None:
+    gate = ReadGate()
+    assert gate.reading
+    assert not gate.resume() and not gate.catch_up()  # no change: nothing to tell
+
+
+def test_the_owner_pauses_and_resumes() -> None:
+    gate = ReadGate()
+    assert gate.pause() and not gate.reading
+    assert not gate.pause()  # told once
+    assert gate.resume() and gate.reading
+
+
+def test_catching_up_pauses_and_resumes() -> None:
+    gate = ReadGate()
+    assert gate.fall_behind() and not gate.reading
+    assert not gate.fall_behind()
+    assert gate.catch_up() and gate.reading
+
+
+def test_reading_resumes_only_when_both_the_owner_and_the_backlog_allow() -> None:
+    gate = ReadGate()
+    assert gate.pause()
+    assert not gate.fall_behind()  # already paused
+    assert not gate.resume() and not gate.reading  # still catching up
+    assert gate.catch_up() and gate.reading
+
+    assert gate.fall_behind()
+    assert not gate.pause()
+    assert not gate.catch_up() and not gate.reading  # the owner still says stop
+    assert gate.resume() and gate.reading
+
+
+def test_the_transport_hears_every_change_and_only_changes() -> None:
+    """Every sequence of inputs: following the answers keeps a transport in the state
+    the two inputs call for."""
+    moves = {
+        "pause": ReadGate.pause,
+        "resume": ReadGate.resume,
+        "fall behind": ReadGate.fall_behind,
+        "catch up": ReadGate.catch_up,
+    }
+    for sequence in itertools.product(moves, repeat=5):
+        gate, transport_reads = ReadGate(), True
+        for move in sequence:
+            if moves[move](gate):
+                transport_reads = not transport_reads
+            assert transport_reads == (not gate.paused and not gate.catching_up), sequence
+            assert transport_reads == gate.reading

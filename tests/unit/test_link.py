@@ -1,0 +1,699 @@
+"""Unit tests for Link over a fake transport: the handshake between two Links, frames
+split anywhere, every protocol error closing the link once, write backpressure and
+coalescing, read pausing and catch-up, messages queued behind shared-memory copies.
+
+The fake transport records what the Link tells it and keeps the bytes written to it
+until the test delivers them to the other end, as the peer's transport would: only
+while that end reads.  Loop turns are real (``next_turn``); every wait is bounded in
+turns, and the coalescing clock is the test's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from asyncrpc.errors import (
+    HandshakeError,
+    LocalProtocolError,
+    PeerLostError,
+    RemoteProtocolError,
+)
+from asyncrpc.transport.flow import COALESCE_WITHIN, FLUSH_PARTS
+from asyncrpc.transport.link import FRAMES_PER_TURN, Link
+from asyncrpc.transport.shm import SHM_THRESHOLD, Segment, SegmentPool, fill_all
+from asyncrpc.wire import ExternalRef, Frame, Handshake, Identity, Kind, Role, encode_frame
+from asyncrpc.wire.codec import (
+    DEFAULT_MAX_FRAME_SIZE,
+    MAGIC,
+    MAX_HANDSHAKE_FRAME,
+    PRELUDE,
+    allocate_bytearray,
+)
+
+SECRET = b"link-test-secret"
+MiB = 1 << 20
+
+
+class FakeTransport:
+    """What a Link uses of ``asyncio.Transport``.  ``calls`` records what it was told
+    (but writes), ``writes`` each ``writelines`` call's bytes, ``pending`` the bytes
+    not delivered to the other end yet."""
+
+    def __init__(self, protocol: Link) -> None:
+        self.protocol = protocol
+        self.calls: list[str] = []
+        self.writes: list[bytes] = []
+        self.pending = bytearray()
+        self.reading = True
+        self.closing = False
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def write(self, data: bytes) -> None:
+        self.writelines([data])
+
+    def writelines(self, parts: list[bytes | memoryview]) -> None:
+        assert not self.closing, "written after close"
+        data = b"".join(bytes(part) for part in parts)
+        self.writes.append(data)
+        self.pending += data
+
+    def pause_reading(self) -> None:
+        self.calls.append("pause_reading")
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.calls.append("resume_reading")
+        self.reading = True
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self._close("close")
+
+    def abort(self) -> None:
+        self._close("abort")
+
+    def _close(self, how: str) -> None:
+        self.calls.append(how)
+        if not self.closing:
+            self.closing = True
+            asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
+
+
+class Recorder:
+    """The Link's owner: records what it is told."""
+
+    def __init__(self) -> None:
+        self.established = 0
+        self.frames: list[Frame] = []
+        self.sent = 0
+        self.lost: list[BaseException] = []
+        self.on_frame: Callable[[Link, Frame], None] = lambda link, frame: None
+
+    def link_established(self, link: Link) -> None:
+        self.established += 1
+
+    def frame_received(self, link: Link, frame: Frame) -> None:
+        self.frames.append(frame)
+        self.on_frame(link, frame)
+
+    def frames_sent(self, link: Link) -> None:
+        self.sent += 1
+
+    def link_lost(self, link: Link, exc: BaseException) -> None:
+        self.lost.append(exc)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class End:
+    """One end of a connection: the Link, its transport and its owner."""
+
+    link: Link
+    transport: FakeTransport
+    owner: Recorder
+
+    def send(self, i: int, payload: bytes = b"", buffers: tuple[memoryview, ...] = ()) -> None:
+        self.link.send(Kind.NOTICE, {"i": i}, payload, buffers)
+
+    def received(self) -> list[int]:
+        return [frame.meta["i"] for frame in self.owner.frames]
+
+
+def end(
+    role: Role,
+    name: str,
+    *,
+    host: str = "host-a",
+    secret: bytes = SECRET,
+    segments: SegmentPool | None = None,
+    clock: Callable[[], float] | None = None,
+    handshake_timeout: float = 10.0,
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+) -> End:
+    """A connected Link (``connection_made`` done: a dialer has written its HELLO)."""
+    owner = Recorder()
+    identity = Identity(name, 0, os.getpid(), host)
+    handshake = Handshake(role, secret, identity, max_frame_size=max_frame_size)
+    extra: dict[str, Any] = {} if clock is None else {"clock": clock}
+    link = Link(
+        owner,
+        handshake,
+        allocate=allocate_bytearray,
+        segments=segments,
+        handshake_timeout=handshake_timeout,
+        **extra,
+    )
+    transport = FakeTransport(link)
+    link.connection_made(transport)  # type: ignore[arg-type]
+    return End(link, transport, owner)
+
+
+def feed(to: End, data: bytes | bytearray | memoryview, chunk: int | None = None) -> int:
+    """Hand bytes to a Link as its transport would, in chunks, while it reads; returns
+    how many it took."""
+    view = memoryview(data)
+    taken = 0
+    while taken < len(view) and to.transport.reading and not to.transport.closing:
+        buffer = to.link.get_buffer(-1)
+        n = min(len(buffer), len(view) - taken, chunk or len(view))
+        buffer[:n] = view[taken : taken + n]
+        to.link.buffer_updated(n)
+        taken += n
+    return taken
+
+
+def deliver(source: End, to: End, chunk: int | None = None) -> int:
+    """Move what ``source`` wrote to ``to``, as far as ``to`` reads."""
+    taken = feed(to, bytes(source.transport.pending), chunk)
+    del source.transport.pending[:taken]
+    return taken
+
+
+async def next_turn() -> None:
+    """Let the loop run one iteration (callbacks scheduled with call_soon run)."""
+    await asyncio.sleep(0)
+
+
+async def exchange(
+    a: End, b: End, until: Callable[[], bool], *, chunk: int | None = None, turns: int = 100
+) -> None:
+    """Deliver both ways, a loop turn at a time, until ``until()``: within ``turns``."""
+    for _ in range(turns):
+        deliver(a, b, chunk)
+        deliver(b, a, chunk)
+        if until():
+            return
+        await next_turn()
+    raise AssertionError(f"not reached in {turns} loop turns")
+
+
+async def connected(
+    chunk: int | None = None, hosts: tuple[str, str] = ("host-a", "host-a"), **options: Any
+) -> tuple[End, End]:
+    """A dialer and a listener (on ``hosts``), handshake done."""
+    dialer = end(Role.DIALER, "dialer", host=hosts[0], **options)
+    listener = end(Role.LISTENER, "listener", host=hosts[1], **options)
+    await exchange(
+        dialer,
+        listener,
+        lambda: dialer.link.ready.done() and listener.link.ready.done(),
+        chunk=chunk,
+    )
+    return dialer, listener
+
+
+async def settle(*ends: End, turns: int = 5) -> None:
+    """A few loop turns, for what a test expects *not* to happen (e.g. a second report)."""
+    for _ in range(turns):
+        for a in ends:
+            for b in ends:
+                if a is not b:
+                    deliver(a, b)
+        await next_turn()
+
+
+# -- the handshake and framing ---------------------------------------------------------
+
+
+async def test_two_links_authenticate_each_other() -> None:
+    dialer, listener = await connected()
+    for this, other in ((dialer, listener), (listener, dialer)):
+        assert this.link.ready.result() is this.link
+        assert this.owner.established == 1
+        assert this.link.peer == other.link.handshake.local
+        assert this.owner.lost == [] and not this.link.closed
+    await settle(dialer, listener)
+    assert dialer.owner.established == listener.owner.established == 1
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 100, None])
+async def test_frames_split_anywhere_arrive_whole_and_in_order(chunk: int | None) -> None:
+    """Chunks of one byte split every frame, the handshake's too, at every boundary."""
+    dialer, listener = await connected(chunk)
+    big = memoryview(bytes(range(256)) * 300)  # above the decoder's small-frame path
+    messages: list[tuple[bytes, tuple[memoryview, ...]]] = [
+        (b"", ()),
+        (b"payload", ()),
+        (b"p" * 70_000, (memoryview(b"inline buffer"), big)),
+        (b"x", (memoryview(b""),)),
+    ]
+    for i, (payload, buffers) in enumerate(messages):
+        dialer.send(i, payload, buffers)
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 4, chunk=chunk)
+    assert listener.received() == [0, 1, 2, 3]
+    for frame, (payload, buffers) in zip(listener.owner.frames, messages, strict=True):
+        assert frame.kind == Kind.NOTICE
+        assert bytes(frame.payload) == payload
+        assert [bytes(b) for b in frame.buffers] == [bytes(b) for b in buffers]
+    assert dialer.owner.lost == listener.owner.lost == []
+
+
+async def test_a_reply_goes_back_on_the_same_link() -> None:
+    dialer, listener = await connected()
+    listener.owner.on_frame = lambda link, frame: link.send(Kind.RESPONSE, {"i": frame.meta["i"]})
+    dialer.link.send(Kind.REQUEST, {"i": 7})
+    await exchange(dialer, listener, lambda: len(dialer.owner.frames) == 1)
+    assert dialer.owner.frames[0].kind == Kind.RESPONSE and dialer.received() == [7]
+
+
+# -- every protocol error closes the link, reported once with its cause ----------------
+
+
+def prelude(header_len: int) -> bytes:
+    return PRELUDE.pack(MAGIC, 0, header_len)
+
+
+async def assert_dropped(
+    this: End, error: type[BaseException], match: str, *others: End
+) -> BaseException:
+    """The link closed at once, told the transport to abort, and reported the cause
+    exactly once (even after the transport's own ``connection_lost``)."""
+    assert this.link.closed
+    assert "abort" in this.transport.calls
+    await settle(this, *others)
+    assert len(this.owner.lost) == 1, this.owner.lost
+    (cause,) = this.owner.lost
+    assert isinstance(cause, error), cause
+    assert match in str(cause)
+    if not this.link.ready.done() or this.link.ready.exception() is not None:
+        assert this.link.ready.exception() is cause
+    return cause
+
+
+HANDSHAKE_VIOLATIONS = {
+    "garbage": (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", RemoteProtocolError, "bad frame prelude"),
+    "an oversized header": (prelude(10 << 20), RemoteProtocolError, "exceeds"),
+    "a header above the handshake's frame": (
+        prelude(MAX_HANDSHAKE_FRAME),
+        RemoteProtocolError,
+        "before the handshake completes",
+    ),
+    "a body before the handshake": (
+        b"".join(encode_frame(Kind.HELLO, {}, b"x" * 100)),
+        RemoteProtocolError,
+        "exceeds the maximum frame size of 0 bytes before the handshake completes",
+    ),
+    "a REQUEST before the handshake": (
+        b"".join(encode_frame(Kind.REQUEST, {"i": 1, "f": "os.system"})),
+        RemoteProtocolError,
+        "REQUEST frame not allowed before the handshake completes",
+    ),
+    "a handshake message out of turn": (
+        b"".join(encode_frame(Kind.WELCOME, {})),
+        HandshakeError,
+        "",
+    ),
+}
+
+
+@pytest.mark.parametrize("bad", list(HANDSHAKE_VIOLATIONS))
+async def test_a_violation_before_the_handshake_drops_the_link(bad: str) -> None:
+    data, error, match = HANDSHAKE_VIOLATIONS[bad]
+    listener = end(Role.LISTENER, "listener")
+    feed(listener, data, chunk=1)
+    await assert_dropped(listener, error, match)
+    assert listener.owner.frames == [] and listener.owner.established == 0
+    assert listener.transport.writes == []  # not even a CHALLENGE
+
+
+async def test_a_listener_with_another_secret_is_dropped_by_the_dialer() -> None:
+    dialer = end(Role.DIALER, "dialer")
+    listener = end(Role.LISTENER, "listener", secret=b"another secret")
+    await exchange(dialer, listener, lambda: dialer.link.closed)
+    await assert_dropped(dialer, HandshakeError, "", listener)
+    assert dialer.owner.established == listener.owner.established == 0
+
+
+async def test_a_message_above_the_peers_limit_fails_alone_and_the_link_stays() -> None:
+    dialer = end(Role.DIALER, "dialer")
+    listener = end(Role.LISTENER, "listener", max_frame_size=1000)
+    await exchange(
+        dialer, listener, lambda: dialer.link.ready.done() and listener.link.ready.done()
+    )
+    assert dialer.link.max_send_size == 1000
+    writes = len(dialer.transport.writes)
+    with pytest.raises(LocalProtocolError, match=r"call to f on worker 'listener'.*1000"):
+        dialer.link.send(Kind.REQUEST, {"i": 1}, b"x" * 1001, function="f")
+    with pytest.raises(LocalProtocolError, match="1001 bytes"):
+        dialer.link.encode(Kind.REQUEST, {"i": 1}, b"", [memoryview(b"x" * 1001)])
+    assert len(dialer.transport.writes) == writes  # nothing of it was written
+    dialer.send(2, b"x" * 1000)
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 1)
+    assert listener.received() == [2] and not dialer.link.closed
+
+
+ESTABLISHED_VIOLATIONS = {
+    "garbage": (b"\x00" * 64, RemoteProtocolError, "bad frame prelude"),
+    "a handshake message again": (
+        b"".join(encode_frame(Kind.HELLO, {})),
+        RemoteProtocolError,
+        "HELLO frame not allowed after the handshake",
+    ),
+    "a frame above max_frame_size": (
+        b"".join(
+            encode_frame(Kind.NOTICE, {}, b"", [ExternalRef(1, 9 << 30)], max_frame_size=1 << 40)
+        ),
+        RemoteProtocolError,
+        "exceeds the maximum frame size",
+    ),
+    "an unknown kind": (
+        prelude(4) + b"\x94\x63\x80\x00",  # msgpack [99, {}, 0, ...] (truncated on purpose)
+        RemoteProtocolError,
+        "",
+    ),
+    "malformed segment keys": (
+        b"".join(encode_frame(Kind.UNMAP, {"k": ["not", "keys"]})),
+        RemoteProtocolError,
+        "malformed segment keys",
+    ),
+    "a shared-memory buffer from another host": (
+        b"".join(encode_frame(Kind.NOTICE, {"i": 9}, b"", [ExternalRef(1 << 32 | 5, 4096)])),
+        RemoteProtocolError,
+        "another host",
+    ),
+}
+
+
+@pytest.mark.parametrize("bad", list(ESTABLISHED_VIOLATIONS))
+async def test_a_bad_frame_after_the_handshake_drops_the_link(bad: str) -> None:
+    data, error, match = ESTABLISHED_VIOLATIONS[bad]
+    dialer, listener = await connected(hosts=("host-a", "host-b"))
+    dialer.send(1)
+    valid = bytes(dialer.transport.pending)
+    dialer.transport.pending.clear()
+    feed(listener, valid + data + b"".join(encode_frame(Kind.NOTICE, {"i": 2})))
+    await assert_dropped(listener, error, match, dialer)
+    assert listener.received() == [1]  # what came before the bad frame, nothing after
+    assert listener.owner.established == 1
+
+
+async def test_an_owner_that_raises_drops_the_link_with_its_error() -> None:
+    dialer, listener = await connected()
+
+    def fail(link: Link, frame: Frame) -> None:
+        raise ValueError("owner bug")
+
+    listener.owner.on_frame = fail
+    dialer.send(1)
+    dialer.send(2)
+    await exchange(dialer, listener, lambda: listener.link.closed)
+    await assert_dropped(listener, ValueError, "owner bug", dialer)
+    assert listener.received() == [1]
+
+
+async def test_end_of_stream_is_a_lost_peer_reported_once() -> None:
+    _dialer, listener = await connected()
+    assert listener.link.eof_received() is False
+    await assert_dropped(listener, PeerLostError, "worker 'dialer': closed the connection")
+
+
+async def test_connection_lost_is_reported_once_with_its_cause() -> None:
+    _dialer, listener = await connected()
+    cause = ConnectionResetError("reset by peer")
+    listener.link.connection_lost(cause)
+    listener.link.connection_lost(None)
+    assert listener.link.closed and len(listener.owner.lost) == 1
+    (error,) = listener.owner.lost
+    assert isinstance(error, PeerLostError) and error.__cause__ is cause
+    assert "dialer" in str(error)
+
+
+async def test_a_handshake_that_never_completes_times_out() -> None:
+    listener = end(Role.LISTENER, "listener", handshake_timeout=0.01)
+    with pytest.raises(HandshakeError, match="not completed in time"):
+        await asyncio.wait_for(asyncio.shield(listener.link.ready), 5)
+    await assert_dropped(listener, HandshakeError, "not completed in time")
+
+
+async def test_nothing_is_handed_up_or_written_after_the_link_is_lost() -> None:
+    dialer, listener = await connected()
+    dialer.send(1)
+    pending = bytes(dialer.transport.pending)
+    listener.link.connection_lost(None)
+    feed(listener, pending)  # a read racing the loss
+    await settle(listener)
+    assert listener.owner.frames == []
+    writes = len(listener.transport.writes)
+    listener.link.send(Kind.NOTICE, {"i": 3})
+    await settle(listener)
+    assert len(listener.transport.writes) == writes and len(listener.owner.lost) == 1
+
+
+# -- writing: backpressure and coalescing ----------------------------------------------
+
+
+async def test_backpressure_holds_writes_and_resuming_writes_them_in_order() -> None:
+    dialer, listener = await connected()
+    writes = len(dialer.transport.writes)
+    dialer.link.pause_writing()
+    for i in range(FLUSH_PARTS + 3):  # past the burst limit: paused still holds them
+        dialer.send(i)
+    await settle(dialer)  # the turn ends: nothing leaves while paused
+    assert len(dialer.transport.writes) == writes
+    dialer.link.resume_writing()
+    assert len(dialer.transport.writes) == writes + 1  # all of it, in one writelines
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == FLUSH_PARTS + 3)
+    assert listener.received() == list(range(FLUSH_PARTS + 3))
+    dialer.send(99)
+    assert len(dialer.transport.writes) == writes + 2  # resumed: leaves at once
+
+
+async def test_close_while_paused_still_writes_what_waits() -> None:
+    dialer, listener = await connected()
+    dialer.link.pause_writing()
+    dialer.send(1)
+    dialer.send(2)
+    dialer.link.close()
+    assert dialer.transport.calls[-1] == "close"
+    feed(listener, dialer.transport.pending)
+    await next_turn()
+    assert listener.received() == [1, 2]
+
+
+async def test_a_burst_in_one_turn_leaves_at_the_end_of_the_turn_in_one_write() -> None:
+    clock = Clock()
+    dialer, listener = await connected(clock=clock)
+    await settle(dialer, listener)
+    writes = len(dialer.transport.writes)
+    dialer.send(1)  # the first of the turn: at once
+    assert len(dialer.transport.writes) == writes + 1
+    clock.now += COALESCE_WITHIN / 2
+    dialer.send(2)
+    clock.now += COALESCE_WITHIN / 2
+    dialer.send(3)
+    assert len(dialer.transport.writes) == writes + 1  # a burst: waits for the turn's end
+    await next_turn()
+    assert len(dialer.transport.writes) == writes + 2
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 3)
+    assert listener.received() == [1, 2, 3]
+
+
+async def test_a_message_after_a_pause_in_the_turn_leaves_at_once() -> None:
+    clock = Clock()
+    dialer, listener = await connected(clock=clock)
+    await settle(dialer, listener)
+    writes = len(dialer.transport.writes)
+    dialer.send(1)
+    clock.now += COALESCE_WITHIN / 2
+    dialer.send(2)  # held
+    clock.now += COALESCE_WITHIN * 2
+    dialer.send(3)  # computed a while since: leaves, taking 2 along first
+    assert len(dialer.transport.writes) == writes + 2
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 3)
+    assert listener.received() == [1, 2, 3]
+
+
+async def test_every_message_sent_is_counted_for_the_owner() -> None:
+    dialer, _listener = await connected()
+    sent = dialer.owner.sent
+    for i in range(3):
+        dialer.send(i)
+    assert dialer.owner.sent == sent + 3
+
+
+# -- reading: the owner's pause, catch-up ----------------------------------------------
+
+
+def frames(numbers: range) -> bytes:
+    return b"".join(b"".join(encode_frame(Kind.NOTICE, {"i": i})) for i in numbers)
+
+
+async def test_a_burst_is_handed_up_a_few_frames_per_turn_without_reading_meanwhile() -> None:
+    _dialer, listener = await connected()
+    count = FRAMES_PER_TURN * 3 + 5
+    listener.transport.calls.clear()
+    assert feed(listener, frames(range(count))) > 0
+    assert listener.received() == list(range(FRAMES_PER_TURN))  # one slice this turn
+    assert listener.transport.calls == ["pause_reading"]  # staged frames wait: read no more
+    assert feed(listener, frames(range(count, count + 1))) == 0
+    for turn in range(2, 4):
+        await next_turn()
+        assert listener.received() == list(range(FRAMES_PER_TURN * turn))
+        assert listener.transport.calls == ["pause_reading"]
+    await next_turn()
+    assert listener.received() == list(range(count))
+    assert listener.transport.calls == ["pause_reading", "resume_reading"]  # caught up
+    assert feed(listener, frames(range(count, count + 1))) > 0
+    assert listener.received() == list(range(count + 1))
+
+
+async def test_the_owner_pauses_reading_and_frames_wait_until_it_resumes() -> None:
+    _dialer, listener = await connected()
+    listener.transport.calls.clear()
+    listener.owner.on_frame = lambda link, frame: frame.meta["i"] == 1 and link.pause_reading()
+    feed(listener, frames(range(5)))
+    assert listener.received() == [0, 1]
+    assert listener.transport.calls == ["pause_reading"]
+    await settle(listener)
+    assert listener.received() == [0, 1]  # held, however many turns pass
+    listener.owner.on_frame = lambda link, frame: None
+    listener.link.resume_reading()
+    assert listener.transport.calls == ["pause_reading", "resume_reading"]
+    await next_turn()
+    assert listener.received() == [0, 1, 2, 3, 4]
+
+
+async def test_the_owner_pause_outlasts_catching_up() -> None:
+    _dialer, listener = await connected()
+    listener.transport.calls.clear()
+    feed(listener, frames(range(FRAMES_PER_TURN + 1)))  # one frame left for the next turn
+    listener.link.pause_reading()
+    await settle(listener)
+    assert listener.received() == list(range(FRAMES_PER_TURN))
+    assert listener.transport.calls == ["pause_reading"]  # told once, for both reasons
+    listener.link.resume_reading()
+    await next_turn()
+    assert listener.received() == list(range(FRAMES_PER_TURN + 1))
+    assert listener.transport.calls == ["pause_reading", "resume_reading"]
+
+
+async def test_resuming_after_catch_up_does_not_tell_the_transport_twice() -> None:
+    _dialer, listener = await connected()
+    listener.transport.calls.clear()
+    listener.link.pause_reading()
+    listener.link.resume_reading()
+    listener.link.resume_reading()
+    await settle(listener)
+    assert listener.transport.calls == ["pause_reading", "resume_reading"]
+
+
+# -- messages behind shared-memory copies ----------------------------------------------
+
+
+class HeldCopies(SegmentPool):
+    """A segment pool whose copies wait for the test (``finish``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[tuple[list[tuple[Segment, memoryview]], Future[None]]] = []
+
+    def fill_later(self, fills: list[tuple[Segment, memoryview]]) -> Future[None]:
+        job: Future[None] = Future()
+        self.held.append((fills, job))
+        return job
+
+    def finish(self, index: int, error: BaseException | None = None) -> None:
+        fills, job = self.held[index]
+        if error is None:
+            fill_all(fills)
+            job.set_result(None)
+        else:
+            job.set_exception(error)
+
+
+@pytest.fixture
+def pool() -> Iterator[HeldCopies]:
+    pool = HeldCopies()
+    yield pool
+    pool.close()
+
+
+shared_memory = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"),
+    reason="shared-memory segments need Linux memfd and /proc",
+)
+
+
+def large(seed: int) -> memoryview:
+    return memoryview(bytes([seed]) * SHM_THRESHOLD)
+
+
+@shared_memory
+async def test_messages_behind_a_shared_memory_copy_leave_in_order(pool: HeldCopies) -> None:
+    dialer, listener = await connected(segments=pool)
+    writes = len(dialer.transport.writes)
+    dialer.send(1, b"", (large(1),))
+    dialer.send(2)
+    dialer.send(3, b"", (large(3),))
+    dialer.send(4)
+    assert len(pool.held) == 2
+    assert len(dialer.transport.writes) == writes  # all wait for the first copy
+    pool.finish(1)  # the later copy first: still nothing may leave
+    await settle(dialer, listener)
+    assert listener.received() == []
+    pool.finish(0)
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 4)
+    assert listener.received() == [1, 2, 3, 4]
+    first, _, third, _ = listener.owner.frames
+    assert bytes(first.buffers[0]) == bytes(large(1))  # through the segment, not inline
+    assert bytes(third.buffers[0]) == bytes(large(3))
+    assert sum(len(w) for w in dialer.transport.writes[writes:]) < SHM_THRESHOLD
+
+
+@shared_memory
+async def test_a_failed_copy_sends_its_message_inline_in_its_place(pool: HeldCopies) -> None:
+    dialer, listener = await connected(segments=pool)
+    dialer.send(1, b"", (large(1),))
+    dialer.send(2)
+    pool.finish(0, OSError("copy failed"))
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 2)
+    assert listener.received() == [1, 2]
+    assert bytes(listener.owner.frames[0].buffers[0]) == bytes(large(1))
+    assert listener.owner.lost == []
+
+
+@shared_memory
+async def test_close_waits_for_queued_messages(pool: HeldCopies) -> None:
+    dialer, listener = await connected(segments=pool)
+    dialer.send(1, b"", (large(1),))
+    dialer.send(2)
+    dialer.link.close()
+    assert "close" not in dialer.transport.calls
+    pool.finish(0)
+    await exchange(dialer, listener, lambda: "close" in dialer.transport.calls)
+    feed(listener, dialer.transport.pending)
+    assert listener.received() == [1, 2]
+
+
+@shared_memory
+async def test_a_segment_the_receiver_lets_go_of_goes_back_to_the_pool(pool: HeldCopies) -> None:
+    dialer, listener = await connected(segments=pool)
+    dialer.send(1, b"", (large(1),))
+    pool.finish(0)
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 1)
+    assert pool.stats["segments_in_use"] == 1
+    listener.owner.frames.clear()  # the last view of the segment dies: RELEASE
+    await exchange(dialer, listener, lambda: pool.stats["segments_in_use"] == 0)
+    assert pool.stats["segments_idle"] == 1
