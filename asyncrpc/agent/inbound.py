@@ -59,7 +59,7 @@ from asyncrpc.errors import (
     SerializationError,
 )
 from asyncrpc.transport import Link
-from asyncrpc.transport.link import Parts
+from asyncrpc.transport.flow import Parts
 from asyncrpc.wire import Frame, Kind
 
 log = logging.getLogger("asyncrpc.agent")

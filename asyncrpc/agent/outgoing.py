@@ -32,7 +32,7 @@ from typing import Any
 from asyncrpc.agent.notices import Notice
 from asyncrpc.errors import PeerLostError
 from asyncrpc.transport import Link
-from asyncrpc.transport.link import Parts
+from asyncrpc.transport.flow import Parts
 from asyncrpc.wire import Kind
 
 Undo = Callable[[], None]
