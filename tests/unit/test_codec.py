@@ -632,14 +632,16 @@ def test_encode_oversized_header_raises_local_protocol_error() -> None:
 
 
 def test_encoder_rejects_what_the_decoder_rejects_for_external_refs() -> None:
+    """External buffers count toward max_frame_size on both sides: a frame whose refs
+    alone exceed it is refused by the encoder, and by a decoder under that limit."""
     refs = [ExternalRef(3, 800), ExternalRef(4, 800)]
-    try:
-        data = b"".join(
-            bytes(p) for p in encode_frame(Kind.RESPONSE, {"i": 1}, b"", refs, max_frame_size=1000)
-        )
-    except LocalProtocolError:
-        return  # the sender refuses it: consistent
-    feed_chunks(data, [], limits=Limits(max_frame_size=1000))  # raises RemoteProtocolError
+    with pytest.raises(LocalProtocolError, match="1600 bytes exceeds the maximum frame size"):
+        encode_frame(Kind.RESPONSE, {"i": 1}, b"", refs, max_frame_size=1000)
+    data = Spec(Kind.RESPONSE, {"i": 1}, b"", list(refs)).encode(max_frame_size=1600)
+    with pytest.raises(RemoteProtocolError, match="1600 bytes exceeds the maximum frame size"):
+        feed_chunks(data, [], limits=Limits(max_frame_size=1000))
+    (frame,) = feed_chunks(data, [], limits=Limits(max_frame_size=1600))  # at the limit: fine
+    assert frame.buffers == refs
 
 
 # -- property test ---------------------------------------------------------------------
