@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: install test compat demo bench soak lint typecheck clean
+.PHONY: install test compat demo bench soak mutate lint typecheck clean
 
 install: $(STAMP)
 
@@ -38,6 +38,22 @@ SOAK_ARGS ?=
 soak: install
 	$(PY) benchmarks/soak.py $(SOAK_ARGS)
 
+# Mutation testing over the unit tests (docs/testing.md); CPU-heavy, not part of `make test`.
+# What is mutated: only_mutate under [tool.mutmut] in pyproject.toml (add a module there).
+# MUTANTS narrows a run to some mutant names, e.g. MUTANTS='asyncrpc.wire.*'.  Results are
+# kept in mutants/ and reused by the next run; `rm -rf mutants` starts afresh.
+MUTANTS ?=
+MUTATE_JOBS ?= 2
+mutate: install
+	nice -n 15 $(VENV)/bin/mutmut run --max-children $(MUTATE_JOBS) $(MUTANTS)
+	$(VENV)/bin/mutmut results
+	$(VENV)/bin/mutmut results --all true | awk -F': ' '\
+	  { sub(/^ +/, "", $$1); split($$1, name, "."); pkg = name[1] "." name[2] } \
+	  $$2 == "not checked" { unrun[pkg]++; next } { total[pkg]++ } \
+	  $$2 == "killed" || $$2 == "timeout" { caught[pkg]++ } \
+	  END { for (p in total) printf "%-20s %5d / %5d killed (%.1f%%), %d not run\n", \
+	        p, caught[p], total[p], 100 * caught[p] / total[p], unrun[p] }' | sort
+
 lint: install
 	$(VENV)/bin/ruff check asyncrpc tests examples benchmarks
 	$(VENV)/bin/ruff format --check asyncrpc tests examples benchmarks
@@ -46,4 +62,4 @@ typecheck: install
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache mutants

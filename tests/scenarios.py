@@ -11,12 +11,16 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import pickle
+import shutil
 import signal
 import socket
 import struct
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -288,49 +292,127 @@ async def peer_killed(cfg: Config) -> dict[str, Any]:
     return seen
 
 
+DROP_WITHIN = 5.0
+"""Seconds a worker may take to drop a connection for what it sent (it does so at once;
+generous for a loaded machine, and far below the scenario's handshake timeout, so that a
+connection the worker ignored is still open when the probe gives up)."""
+
+
+class RunOnLoad:
+    """Unpickling this runs a shell command: what an attacker's pickle would do."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return os.system, (self.command,)
+
+
 async def bad_input(cfg: Config) -> dict[str, Any]:
-    """Rank 0 throws garbage at rank 1's listener; rank 1 must keep serving."""
-    await cfg.join(rpc_timeout=20)
+    """Rank 0 throws hostile bytes at rank 1's listener, each on a connection it keeps
+    open for writing: rank 1 must drop that connection because of the bytes (and only
+    it), run nothing they carry, and keep serving."""
+    # Longer than the whole job: no connection here ends by the handshake timeout.
+    await cfg.join(rpc_timeout=20, handshake_timeout=120)
     seen: dict[str, Any] = {}
     if cfg.rank == 0:
-        from asyncrpc.agent import current_agent
-
-        agent = current_agent()
-        assert agent is not None
-        address = agent.resolve("w1").addresses["tcp"].removeprefix("tcp://")
+        address = _resolve("w1").addresses["tcp"].removeprefix("tcp://")
         host, port = address.rsplit(":", 1)
-        attacks = {
-            "garbage": b"\x00\xffnot a frame at all" * 50,
-            "oversized_header": struct.pack("<HHI", 0xA5C1, 0, 1 << 30),
-            "truncated": struct.pack("<HHI", 0xA5C1, 0, 40) + b"\x94\x01",
-            "request_before_handshake": _unauthenticated_request(),
-        }
-        for name, data in attacks.items():
-            seen[name] = await asyncio.to_thread(_send_raw, host, int(port), data)
-        seen["wrong_secret"] = await _wrong_secret_dial(agent.resolve("w1"))
-        seen["still_serving"] = await asyncrpc.rpc_async("w1", whoami)
+        marks = Path(tempfile.mkdtemp(prefix="asyncrpc-bad-input-"))
+        seen.update(await _throw_hostile_bytes((host, int(port)), f"touch {marks / 'ran'}"))
+        seen["command_ran"] = (marks / "ran").exists()
+        # Control: the same command, called by an authenticated peer, leaves its mark.
+        await asyncrpc.rpc_async("w1", os.system, args=(f"touch {marks / 'control'}",))
+        seen["control_command_ran"] = (marks / "control").exists()
+        shutil.rmtree(marks)
     await asyncrpc.shutdown()
     return seen
 
 
-def _unauthenticated_request() -> bytes:
-    from asyncrpc.serde import dumps
+async def _throw_hostile_bytes(address: tuple[str, int], command: str) -> dict[str, Any]:
+    """How w1 ended each hostile connection, and the state of two it should leave open:
+    a silent one and one with a frame cut short (until we end the stream)."""
+    seen: dict[str, Any] = {}
+    bystander = await _connect(address)
+    truncated = await _connect(address)
+    await _send(truncated, struct.pack("<HHI", 0xA5C1, 0, 40) + b"\x94\x01")
+    for name, data in _hostile_inputs(command).items():
+        with await _connect(address) as sock:
+            await _send(sock, data)
+            seen[name] = await _how_it_ends(sock)
+    seen["wrong_secret"] = await _wrong_secret_dial(_resolve("w1"))
+    seen["still_serving"] = await asyncrpc.rpc_async("w1", whoami)
+    seen["bystander"] = _state(bystander)
+    seen["truncated_before_eof"] = _state(truncated)
+    truncated.shutdown(socket.SHUT_WR)
+    seen["truncated"] = await _how_it_ends(truncated)
+    bystander.close()
+    truncated.close()
+    return seen
+
+
+def _resolve(name: str) -> Any:
+    from asyncrpc.agent import current_agent
+
+    agent = current_agent()
+    assert agent is not None
+    return agent.resolve(name)
+
+
+def _hostile_inputs(command: str) -> dict[str, bytes]:
+    """What an unauthenticated peer might send; each must get its connection dropped."""
     from asyncrpc.wire import Kind, encode_frame
 
-    payload, _ = dumps((os.system, ("echo pwned",), {}))
-    return b"".join(bytes(p) for p in encode_frame(Kind.REQUEST, {"i": 1, "f": "x"}, payload))
+    def frame(kind: Kind, meta: dict[str, Any], payload: bytes = b"") -> bytes:
+        return b"".join(bytes(p) for p in encode_frame(kind, meta, payload))
+
+    call = pickle.dumps((os.system, (RunOnLoad(command),), {}))
+    request = frame(Kind.REQUEST, {"i": 1, "f": "os.system"}, call)
+    hello = {"v": 1, "name": "x", "rank": 7, "pid": 1, "host": "h", "nonce": b"\0" * 32}
+    return {
+        "garbage": b"\x00\xffnot a frame at all" * 50,
+        "oversized_header": struct.pack("<HHI", 0xA5C1, 0, 1 << 30),
+        "request_before_handshake": request,
+        "request_mid_handshake": frame(Kind.HELLO, {**hello, "max_frame_size": 1 << 20}) + request,
+    }
 
 
-def _send_raw(host: str, port: int, data: bytes) -> str:
-    """Send bytes, then report how the worker reacted: it should close on us."""
-    with socket.create_connection((host, port), timeout=10) as sock:
-        sock.sendall(data)
-        sock.shutdown(socket.SHUT_WR)
-        try:
-            reply = sock.recv(1 << 16)
-        except OSError as exc:
-            return f"error:{exc}"
-        return "closed" if reply == b"" else f"replied {len(reply)} bytes"
+async def _connect(address: tuple[str, int]) -> socket.socket:
+    sock = socket.socket(socket.AF_INET)
+    sock.setblocking(False)
+    await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, address), DROP_WITHIN)
+    return sock
+
+
+async def _send(sock: socket.socket, data: bytes) -> None:
+    await asyncio.wait_for(asyncio.get_running_loop().sock_sendall(sock, data), DROP_WITHIN)
+
+
+async def _how_it_ends(sock: socket.socket) -> dict[str, Any]:
+    """Read what the worker sends until it closes the connection ("dropped") or
+    DROP_WITHIN passes ("open": it ignored what we sent)."""
+    loop = asyncio.get_running_loop()
+    received = 0
+    try:
+        async with asyncio.timeout(DROP_WITHIN):
+            while chunk := await loop.sock_recv(sock, 1 << 16):
+                received += len(chunk)
+    except TimeoutError:
+        return {"ended": "open", "received": received}
+    except ConnectionResetError:
+        pass
+    return {"ended": "dropped", "received": received}
+
+
+def _state(sock: socket.socket) -> str:
+    """Whether the worker left ``sock`` open (and silent), without waiting."""
+    try:
+        data = sock.recv(1)
+    except BlockingIOError:
+        return "open"
+    except ConnectionResetError:
+        return "dropped"
+    return "dropped" if data == b"" else "sent data"
 
 
 async def _wrong_secret_dial(target: Any) -> dict[str, Any]:
@@ -354,10 +436,17 @@ async def graceful_shutdown(cfg: Config) -> dict[str, Any]:
             results.append(await asyncrpc.rpc_async("w1", double, args=(i,)))
             await asyncio.sleep(0.01)  # pacing the caller, not synchronising anything
         seen["results"] = results
+    from asyncrpc.agent import current_agent
+
+    agent = current_agent()
+    assert agent is not None
     started = time.monotonic()
     await asyncrpc.shutdown()
     seen["shutdown_seconds"] = time.monotonic() - started
-    seen["state"] = "closed"
+    after = agent.debug_info()
+    state = after["state"]
+    seen["state"] = str(getattr(state, "name", state)).lower()  # a string, or an Enum's name
+    seen["pending_outgoing_calls"] = after["pending_outgoing_calls"]
     return seen
 
 

@@ -632,14 +632,16 @@ def test_encode_oversized_header_raises_local_protocol_error() -> None:
 
 
 def test_encoder_rejects_what_the_decoder_rejects_for_external_refs() -> None:
+    """External buffers count toward max_frame_size on both sides: a frame whose refs
+    alone exceed it is refused by the encoder, and by a decoder under that limit."""
     refs = [ExternalRef(3, 800), ExternalRef(4, 800)]
-    try:
-        data = b"".join(
-            bytes(p) for p in encode_frame(Kind.RESPONSE, {"i": 1}, b"", refs, max_frame_size=1000)
-        )
-    except LocalProtocolError:
-        return  # the sender refuses it: consistent
-    feed_chunks(data, [], limits=Limits(max_frame_size=1000))  # raises RemoteProtocolError
+    with pytest.raises(LocalProtocolError, match="1600 bytes exceeds the maximum frame size"):
+        encode_frame(Kind.RESPONSE, {"i": 1}, b"", refs, max_frame_size=1000)
+    data = Spec(Kind.RESPONSE, {"i": 1}, b"", list(refs)).encode(max_frame_size=1600)
+    with pytest.raises(RemoteProtocolError, match="1600 bytes exceeds the maximum frame size"):
+        feed_chunks(data, [], limits=Limits(max_frame_size=1000))
+    (frame,) = feed_chunks(data, [], limits=Limits(max_frame_size=1600))  # at the limit: fine
+    assert frame.buffers == refs
 
 
 # -- property test ---------------------------------------------------------------------
@@ -696,3 +698,157 @@ def test_property_random_frames_random_chunking(
     assert len(frames) == len(specs)
     for spec, frame in zip(specs, frames, strict=True):
         spec.check(frame)
+
+
+# -- the fast path for small frames ----------------------------------------------------
+# A whole small frame, staged, with inline buffers only, is decoded by one fast step; the
+# general path (prelude, header, then body) does the rest.  Both give the same frames, so
+# only speed tells them apart: with the general path made to fail, these show which ran.
+
+FAST_FRAMES = [
+    Spec(Kind.WELCOME, {}),  # no body at all
+    Spec(Kind.RESPONSE, {"i": 1}, pattern(100, 30), [b"", pattern(10, 31), b""]),
+    Spec(Kind.REQUEST, {"i": 2, "f": "f"}, pattern(SMALL_PAYLOAD - 10, 32), [pattern(10, 33)]),
+]
+
+
+@pytest.fixture
+def fast_path_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    def general_path(self: FrameDecoder, raw: memoryview) -> None:
+        raise AssertionError("a small frame took the general path")
+
+    monkeypatch.setattr(FrameDecoder, "_validate_header", general_path)
+
+
+@pytest.mark.usefixtures("fast_path_only")
+@pytest.mark.parametrize("index", range(len(FAST_FRAMES)))
+def test_a_whole_small_frame_takes_the_fast_path(index: int) -> None:
+    """Including one with an empty body, one with empty buffers, and one whose body is
+    exactly SMALL_PAYLOAD bytes; each is exactly what is staged."""
+    spec = FAST_FRAMES[index]
+    (frame,) = feed_chunks(spec.encode(), [])
+    spec.check(frame)
+
+
+@pytest.mark.usefixtures("fast_path_only")
+def test_small_frames_staged_back_to_back_take_the_fast_path() -> None:
+    stream = b"".join(spec.encode() for spec in reversed(FAST_FRAMES))
+    frames = feed_chunks(stream, [])
+    for spec, frame in zip(reversed(FAST_FRAMES), frames, strict=True):
+        spec.check(frame)
+
+
+@pytest.mark.usefixtures("fast_path_only")
+def test_a_header_of_exactly_max_header_size_takes_the_fast_path() -> None:
+    data = SMALL_FRAMES[1].encode()
+    header_size = PRELUDE.unpack_from(data)[2]
+    (frame,) = feed_chunks(data, [], limits=Limits(max_header_size=header_size))
+    SMALL_FRAMES[1].check(frame)
+
+
+def test_a_staged_header_one_byte_too_long_is_refused() -> None:
+    """The fast path checks the header length too, not only when the header is incomplete."""
+    data = SMALL_FRAMES[1].encode()
+    limit = PRELUDE.unpack_from(data)[2] - 1
+    with pytest.raises(RemoteProtocolError, match=f"exceeds {limit}$"):
+        feed_chunks(data, [], limits=Limits(max_header_size=limit))
+
+
+def test_a_payload_that_looks_like_a_frame_stays_payload() -> None:
+    """Once a header is parsed the next bytes are its body, whatever they look like."""
+    inner = Spec(Kind.WELCOME, {}).encode()
+    outer = Spec(Kind.RESPONSE, {"i": 1}, inner * 3)
+    data = outer.encode()
+    for cut in range(1, len(data)):
+        (frame,) = feed_chunks(data, [cut])
+        outer.check(frame)
+
+
+def test_the_small_staging_area_compacts_behind_a_frame_that_needs_all_of_it() -> None:
+    """A small HELLO, then one of MAX_HANDSHAKE_FRAME bytes, in reads of 1000 bytes: the
+    second fits only once the staged bytes are moved back to the start."""
+    small = raw_frame([int(Kind.HELLO), {}, 0, []])
+    padding = MAX_HANDSHAKE_FRAME - len(raw_frame([int(Kind.HELLO), {"p": ""}, 0, []])) - 2
+    large = raw_frame([int(Kind.HELLO), {"p": "x" * padding}, 0, []])
+    assert len(large) == MAX_HANDSHAKE_FRAME
+    decoder = FrameDecoder(HANDSHAKE_LIMITS)
+    frames = feed_buffered(decoder, small + large, random.Random(0), 1000)
+    assert [f.meta for f in frames] == [{}, {"p": "x" * padding}]
+
+
+def test_an_empty_decoder_offers_its_whole_staging_area() -> None:
+    """Once every staged byte is consumed, the next read may fill all of it."""
+    decoder = FrameDecoder()
+    decoder.receive_data(SMALL_FRAMES[1].encode())
+    SMALL_FRAMES[1].check(decoder.next_event())
+    assert len(decoder.get_buffer()) == decoder.staging_size == STAGING_SIZE
+
+
+# -- limits and encoding details -------------------------------------------------------
+
+
+def test_zero_limits_are_valid_limits() -> None:
+    limits = Limits(max_frame_size=0, max_header_size=0)
+    assert (limits.max_frame_size, limits.max_header_size) == (0, 0)
+
+
+def test_established_limits_take_the_given_max_frame_size() -> None:
+    limits = Limits.established(1000)
+    assert limits.max_frame_size == 1000
+    feed_chunks(Spec(Kind.RESPONSE, {"i": 1}, b"x" * 1000).encode(), [], limits=limits)
+    with pytest.raises(RemoteProtocolError, match=r"1001 bytes exceeds .* 1000 bytes after the"):
+        feed_chunks(Spec(Kind.RESPONSE, {"i": 1}, b"x" * 1001).encode(), [], limits=limits)
+
+
+def test_errors_without_a_stage_end_with_the_numbers() -> None:
+    with pytest.raises(RemoteProtocolError, match=r"maximum frame size of 10 bytes$"):
+        feed_chunks(Spec(Kind.RESPONSE, {}, b"x" * 11).encode(), [], limits=Limits(10))
+
+
+def test_a_frame_without_payload_has_an_empty_one() -> None:
+    (frame,) = feed_chunks(b"".join(bytes(p) for p in encode_frame(Kind.WELCOME, {})), [])
+    assert frame.payload == b""
+
+
+def test_a_payload_up_to_small_payload_is_joined_to_the_header() -> None:
+    """One part (one copy, small); above SMALL_PAYLOAD the payload is its own part."""
+    assert len(encode_frame(Kind.RESPONSE, {}, pattern(SMALL_PAYLOAD, 34))) == 1
+    assert len(encode_frame(Kind.RESPONSE, {}, pattern(SMALL_PAYLOAD + 1, 35))) == 2
+
+
+def test_a_header_of_exactly_max_header_size_encodes() -> None:
+    def header_size(padding: int) -> int:
+        return len(msgpack.packb([int(Kind.REQUEST), {"f": "x" * padding}, 0, []]))
+
+    padding = MAX_HEADER_SIZE - header_size(0)
+    while header_size(padding) > MAX_HEADER_SIZE:  # msgpack's str header grows with it
+        padding -= 1
+    assert header_size(padding) == MAX_HEADER_SIZE
+    encode_frame(Kind.REQUEST, {"f": "x" * padding})
+
+
+def test_each_thread_encodes_with_a_packer_of_its_own() -> None:
+    """Cached per thread (a new Packer allocates 1 MiB); a fresh thread's first packer
+    encodes bytes as bytes, exactly as this thread's does."""
+    import threading
+
+    from asyncrpc.wire.codec import _packer
+
+    assert _packer() is _packer()
+    spec = Spec(Kind.HELLO, {"nonce": b"\x00\xff" * 16, "name": "w0"})
+    made: dict[str, Any] = {}
+
+    def elsewhere() -> None:
+        made["packer"], made["data"] = _packer(), spec.encode()
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join(10)
+    assert made["packer"] is not _packer()
+    assert made["data"] == spec.encode()
+    (frame,) = feed_chunks(made["data"], [])
+    spec.check(frame)
+
+
+def test_need_data_says_what_it_is() -> None:
+    assert repr(NEED_DATA) == "NEED_DATA"

@@ -379,3 +379,55 @@ def test_infinite_rank_raises_handshake_error(field: str) -> None:
     with pytest.raises(HandshakeError):
         listener.receive(Kind.HELLO, meta)
     assert listener.state is State.FAILED
+
+
+# -- what the proof is made of ---------------------------------------------------------
+
+
+def test_the_proof_is_an_hmac_of_length_prefixed_fields() -> None:
+    """The proof's layout is part of the protocol (both ends must compute the same
+    bytes): HMAC-SHA256 over b"asyncrpc", the role, the dialer's then the listener's
+    nonce and names, each prefixed with its length as 4 big-endian bytes."""
+    import hashlib
+    import hmac
+
+    dialer, listener = pair()
+    hello = single(dialer.start())
+    challenge = single(listener.receive(*hello))
+    fields = [
+        b"asyncrpc",
+        b"LISTENER",
+        hello[1]["nonce"],
+        challenge[1]["nonce"],
+        DIALER_ID.name.encode(),
+        LISTENER_ID.name.encode(),
+    ]
+    message = b"".join(len(f).to_bytes(4, "big") + f for f in fields)
+    assert challenge[1]["proof"] == hmac.digest(SECRET, message, hashlib.sha256)
+
+
+def test_a_new_handshake_knows_no_peer() -> None:
+    dialer, listener = pair()
+    assert dialer.peer is None and listener.peer is None
+    assert dialer.peer_max_frame_size is None
+
+
+def test_a_peer_may_accept_no_body_at_all() -> None:
+    """max_frame_size 0 is a limit, not a malformed field."""
+    _, listener = pair()
+    listener.receive(Kind.HELLO, dict(_hello(), max_frame_size=0))
+    assert listener.peer_max_frame_size == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("short nonce", "handshake nonce must be 32 bytes"),
+        ("rank not a number", "malformed peer identity in handshake"),
+        ("negative max_frame_size", "malformed max_frame_size -1 in handshake"),
+    ],
+)
+def test_a_malformed_hello_says_what_is_wrong(name: str, message: str) -> None:
+    _, listener = pair()
+    with pytest.raises(HandshakeError, match=message):
+        listener.receive(Kind.HELLO, HELLO_CORRUPTIONS[name](_hello()))

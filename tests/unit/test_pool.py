@@ -3,19 +3,60 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 
 from asyncrpc.agent.pool import WorkerPool
 
 
+class ObservedLock:
+    """Stands in for a pool's lock and wakes whoever waits for the pool's state to
+    change: every release notifies, so a test waits on the condition itself."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+
+    def __enter__(self) -> None:
+        self._changed.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._changed.notify_all()
+        self._changed.release()
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(predicate, timeout)
+
+
+def observed_pool(max_threads: int) -> tuple[WorkerPool, ObservedLock]:
+    pool = WorkerPool(max_threads, "test")
+    lock = pool._lock = ObservedLock()  # type: ignore[assignment]
+    return pool, lock
+
+
 def test_jobs_run_and_idle_threads_are_reused() -> None:
-    pool = WorkerPool(4, "test")
-    done = [threading.Event() for _ in range(20)]
-    for event in done:
-        pool.submit(event.set)
-        assert event.wait(5)  # one at a time: the single idle thread takes each
+    """A job submitted while a thread is idle runs on it: no new thread.  (A job's own
+    completion signal fires before its thread counts itself idle again, so the test
+    waits for the thread to be idle, not just for the job to be done.)"""
+    pool, lock = observed_pool(4)
+    for _ in range(20):
+        done = threading.Event()
+        pool.submit(done.set)
+        assert done.wait(5)
+        assert lock.wait_for(lambda: pool._idle == 1, 5), "the thread never went idle"
     assert len(pool._threads) == 1
+    pool.shutdown()
+
+
+def test_a_job_submitted_while_every_thread_is_busy_starts_a_thread() -> None:
+    """The other side of reuse: no idle thread, a new one (up to the limit)."""
+    pool, lock = observed_pool(4)
+    gate = threading.Event()
+    pool.submit(gate.wait, 5)  # holds the only thread until the next job runs
+    pool.submit(gate.set)
+    assert len(pool._threads) == 2
+    assert lock.wait_for(lambda: pool._idle == 2, 5), "both jobs finish, both threads idle"
     pool.shutdown()
 
 
