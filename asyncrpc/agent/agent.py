@@ -774,8 +774,7 @@ class RpcAgent:
 
     def _worth_polling(self) -> bool:
         """Spin while calls are in flight, unless slow pool jobs or copies into shared
-        memory need the CPU (a spinning loop starved them, and they it: 20 x 64 MiB
-        calls saw the loop wake up to 130 ms late)."""
+        memory need the CPU (a spinning loop starves them, and they it)."""
         copying = self._segments.copying if self._segments is not None else 0
         return (
             self.state is not Lifecycle.CLOSED

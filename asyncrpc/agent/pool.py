@@ -3,10 +3,10 @@
 Theory of operation
 -------------------
 ``concurrent.futures.ThreadPoolExecutor`` builds a Future and a work item for
-every job and takes locks and a semaphore to submit it: about 17 µs of the
-event loop's time per call, measured here, for a Future the agent never uses
-(replies return through its own completion queue).  This pool is only what the
-agent needs: ``submit`` puts ``(function, args)`` on a ``SimpleQueue`` (0.1 µs),
+every job and takes locks and a semaphore to submit it: loop time on every
+call for a Future the agent never uses (replies return through its own
+completion queue; docs/architecture.md has the figures).  This pool is only
+what the agent needs: ``submit`` puts ``(function, args)`` on a ``SimpleQueue``,
 and threads start on demand, up to ``max_threads``, when none is idle.  Threads
 are daemons, so a function that never returns cannot hold up interpreter exit;
 ``shutdown`` lets the others finish their current job and stop.

@@ -15,9 +15,9 @@ As ``torch.distributed.optim.DistributedOptimizer`` does, an optimizer class
 with a functional twin in torch (SGD, Adam, AdamW, Adagrad, ...; TorchScript
 classes that take the gradients as a list) steps through the twin when the
 arguments are keywords it takes: no ``.grad`` set and cleared, no profiler
-record or hooks, the loop over parameters in C++.  On the 2-vCPU VM that took
-~150 µs off a two-stage model's step, where the class's per-step Python had
-been most of the optimizer's time.  Any other optimizer, positional arguments,
+record or hooks, the loop over parameters in C++ (the class's per-step Python
+had been most of the optimizer's time; docs/architecture.md has the figure).
+Any other optimizer, positional arguments,
 or a torch without the twins use the class itself, each parameter's ``.grad``
 set from the context for the step and cleared after it.
 """
