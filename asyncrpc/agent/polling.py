@@ -22,9 +22,9 @@ Each turn also yields the CPU (``sched_yield``, without the GIL): a spinning
 loop must not keep a thread that has real work off its CPU.  On a host with
 as many busy threads as CPUs (two workers, one of them running a pool job)
 that thread would otherwise wait for the scheduler's next tick, and then for
-the GIL (docs/architecture.md has what yielding saved).  The loop thread releases the GIL in every poll, but a
-thread that spins still competes for it, so the agent does not want spinning
-while slow pool jobs run.  A window of 0 turns polling off.
+the GIL (docs/architecture.md has what yielding saved).  The loop thread
+releases the GIL in every poll, but a thread that spins still competes for it,
+so the agent does not want spinning while slow pool jobs run.  A window of 0 turns polling off.
 """
 
 from __future__ import annotations

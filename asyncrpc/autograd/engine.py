@@ -137,7 +137,7 @@ def _grad(roots: Seeds, leaves: list[torch.Tensor]) -> tuple[torch.Tensor | None
     """``torch.autograd.grad(roots, leaves, their gradients, retain_graph=True,
     allow_unused=True)``, entering the engine where ``torch.autograd.grad`` itself does:
     its Python argument handling is a measurable part of a training step (see
-    docs/autograd.md), and the engine checks the gradients' shapes again anyway."""
+    docs/architecture.md), and the engine checks the gradients' shapes again anyway."""
     outputs, grads = tuple(t for t, _ in roots), tuple(g for _, g in roots)
     if _engine_run_backward is None:  # pragma: no cover - a torch without it
         return torch.autograd.grad(outputs, leaves, grads, retain_graph=True, allow_unused=True)
