@@ -66,6 +66,18 @@ def test_a_burst_is_measured_from_the_previous_message_not_the_first(
         assert writes.send([part]) == []
 
 
+def test_a_burst_is_strictly_within_its_window() -> None:
+    """``within`` seconds after the previous message is a pause, not a burst (an exact
+    clock: no float rounding in the subtraction)."""
+    now = [0.0]
+    writes = WriteCoalescer(lambda: now[0], within=0.5)
+    writes.send([b"a"])
+    now[0] = 0.25
+    assert writes.send([b"b"]) == []  # within the window: waits for its burst
+    now[0] = 0.75  # exactly 0.5 after b
+    assert writes.send([b"c"]) == [b"b", b"c"]
+
+
 def test_a_message_after_a_pause_in_the_turn_leaves_at_once_taking_the_burst_along(
     writes: WriteCoalescer, clock: Clock
 ) -> None:
