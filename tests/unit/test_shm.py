@@ -13,6 +13,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 if sys.platform.startswith("linux"):
+    from asyncrpc.transport import shm
     from asyncrpc.transport.shm import (
         DEFAULT_BUDGET,
         GRANULE,
@@ -215,8 +217,10 @@ def test_forget_closes_the_owners_in_use_segments(pool: SegmentPool) -> None:
     mine = put(pool, data(MiB, 16), LOST)
     mapped = SegmentMapper(os.getpid()).view(mine, Releases())
     other = put(pool, data(MiB, 17), ALIVE)
+    assert pool.stats["bytes_in_use"] == 2 * MiB
     pool.forget(LOST)
     assert counts(pool) == (1, 0, 0)
+    assert pool.stats["bytes_in_use"] == MiB  # the other owner's segment only
     with pytest.raises(OSError):
         os.fstat(fd_of(mine))  # closed on the sender's side
     assert mapped[:] == data(MiB, 16)  # a living receiver keeps its mapping
@@ -585,3 +589,37 @@ def test_map_segment_rejects_a_key_with_another_serial(pool: SegmentPool) -> Non
     stale = ExternalRef(ref.key + (1 << 32), ref.nbytes)
     with pytest.raises(RemoteProtocolError, match="not an asyncrpc segment"):
         SegmentMapper(os.getpid()).view(stale, Releases())
+
+
+class Dropped:
+    """Stands in for the housekeeper: what a mapper hands it to unmap."""
+
+    def __init__(self) -> None:
+        self.objects: list[Any] = []
+
+    def drop(self, objects: list[Any]) -> None:
+        self.objects.extend(objects)
+        objects.clear()
+
+
+@pytest.mark.parametrize("how", ["forget", "clear"])
+def test_a_mapper_lets_go_of_the_mappings_it_is_told_to(
+    pool: SegmentPool, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    dropped = Dropped()
+    monkeypatch.setattr(shm, "housekeeper", dropped)
+    mapper = SegmentMapper(os.getpid())
+    kept, gone = put(pool, data(MiB, 50), LINK), put(pool, data(2 * MiB, 51), LINK)
+    for ref, seed in ((kept, 50), (gone, 51)):
+        assert mapper.view(ref, Releases())[:] == data(ref.nbytes, seed)
+    assert mapper.cached_bytes == 3 * MiB and dropped.objects == []
+    if how == "forget":
+        mapper.forget([gone.key, 12345])  # an unknown key is ignored
+        assert mapper.cached_bytes == MiB
+        assert [m.nbytes for m in dropped.objects] == [2 * MiB]
+        assert mapper.view(kept, Releases())[:] == data(MiB, 50)  # still cached
+        assert [m.nbytes for m in dropped.objects] == [2 * MiB]
+    else:
+        mapper.clear()
+        assert mapper.cached_bytes == 0
+        assert sorted(m.nbytes for m in dropped.objects) == [MiB, 2 * MiB]
