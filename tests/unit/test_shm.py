@@ -216,18 +216,18 @@ def test_double_release_is_harmless(pool: SegmentPool) -> None:
 def test_forget_closes_the_owners_in_use_segments(pool: SegmentPool) -> None:
     mine = put(pool, data(MiB, 16), LOST)
     mapped = SegmentMapper(os.getpid()).view(mine, Releases())
-    other = put(pool, data(MiB, 17), ALIVE)
-    assert pool.stats["bytes_in_use"] == 2 * MiB
+    other = put(pool, data(2 * MiB, 17), ALIVE)
+    assert pool.stats["bytes_in_use"] == 3 * MiB
     pool.forget(LOST)
     assert counts(pool) == (1, 0, 0)
-    assert pool.stats["bytes_in_use"] == MiB  # the other owner's segment only
+    assert pool.stats["bytes_in_use"] == 2 * MiB  # the other owner's segment only
     with pytest.raises(OSError):
         os.fstat(fd_of(mine))  # closed on the sender's side
     assert mapped[:] == data(MiB, 16)  # a living receiver keeps its mapping
     # Its late release changes nothing, and the other owner's segment is untouched.
     pool.release([mine.key], owner=LOST)
     assert pool.stats["segments_idle"] == 0
-    assert SegmentMapper(os.getpid()).view(other, Releases())[:] == data(MiB, 17)
+    assert SegmentMapper(os.getpid()).view(other, Releases())[:] == data(2 * MiB, 17)
 
 
 def test_trim_closes_the_oldest_idle_segments_beyond_the_limit_but_never_the_newest() -> None:
