@@ -697,3 +697,58 @@ async def test_a_segment_the_receiver_lets_go_of_goes_back_to_the_pool(pool: Hel
     listener.owner.frames.clear()  # the last view of the segment dies: RELEASE
     await exchange(dialer, listener, lambda: pool.stats["segments_in_use"] == 0)
     assert pool.stats["segments_idle"] == 1
+
+
+# -- encoding off the loop (what a pool thread does for a reply) -----------------------
+
+
+@shared_memory
+async def test_encode_puts_large_buffers_in_segments_for_a_same_host_peer(
+    pool: HeldCopies,
+) -> None:
+    dialer, listener = await connected(segments=pool)
+    writes = len(dialer.transport.writes)
+    parts = dialer.link.encode(Kind.NOTICE, {"i": 1}, b"pay", [large(7), memoryview(b"small")])
+    assert pool.held == [] and pool.stats["segments_in_use"] == 1  # copied right there
+    assert len(dialer.transport.writes) == writes  # encoding writes nothing
+    dialer.link.write(parts)
+    assert sum(len(p) for p in parts) < SHM_THRESHOLD  # the large buffer is not inline
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 1)
+    frame = listener.owner.frames[0]
+    assert (bytes(frame.payload), frame.meta["i"]) == (b"pay", 1)
+    assert [bytes(b) for b in frame.buffers] == [bytes(large(7)), b"small"]
+
+
+@shared_memory
+async def test_encode_sends_large_buffers_inline_to_another_host(pool: HeldCopies) -> None:
+    dialer, listener = await connected(segments=pool, hosts=("host-a", "host-b"))
+    parts = dialer.link.encode(Kind.NOTICE, {"i": 1}, b"", [large(8)])
+    assert pool.stats["segments_in_use"] == 0
+    assert sum(len(p) for p in parts) > SHM_THRESHOLD
+    dialer.link.write(parts)
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 1)
+    assert bytes(listener.owner.frames[0].buffers[0]) == bytes(large(8))
+
+
+@shared_memory
+async def test_encode_refuses_too_large_a_message_before_lending_a_segment(
+    pool: HeldCopies,
+) -> None:
+    dialer = end(Role.DIALER, "dialer", segments=pool)
+    listener = end(Role.LISTENER, "listener", segments=pool, max_frame_size=SHM_THRESHOLD)
+    await exchange(
+        dialer, listener, lambda: dialer.link.ready.done() and listener.link.ready.done()
+    )
+    with pytest.raises(LocalProtocolError, match=r"reply of g from worker 'dialer'"):
+        dialer.link.encode(Kind.RESPONSE, {"i": 1}, b"x", [large(9)], function="g")
+    assert pool.stats["segments_in_use"] == 0
+
+
+@shared_memory
+async def test_encode_for_a_link_lost_meanwhile_gives_its_segments_back(
+    pool: HeldCopies,
+) -> None:
+    dialer, _ = await connected(segments=pool)
+    dialer.link.abort(RemoteProtocolError("gone"))
+    dialer.link.encode(Kind.NOTICE, {"i": 1}, b"", [large(10)])
+    assert pool.stats["segments_in_use"] == 0  # nobody will ever release them
