@@ -313,6 +313,7 @@ async def stopped_during_tensor_calls(cfg: Config) -> dict[str, Any]:
 # -- c: a worker leaving under load ---------------------------------------------------
 
 LEAVE_AFTER = 75  # echo calls from each caller the leaving worker serves before it leaves
+WINDOW = 32  # calls each caller keeps in flight, every other one to the leaving worker
 
 
 async def leaving_under_load(cfg: Config) -> dict[str, Any]:
@@ -364,7 +365,7 @@ async def _load_until_leaver_gone(cfg: Config, peer: str, leaver: str) -> dict[s
         done = bool(after_gone) and with_peer.issued >= after_gone[0] + 300
         return done or time.monotonic() > deadline
 
-    await pipeline(32, issue, stop)
+    await pipeline(WINDOW, issue, stop)
     await with_peer.settle(30)
     await with_leaver.settle(30)
     return {

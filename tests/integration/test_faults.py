@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from tests.cluster import run_job
+from tests.fault_scenarios import LEAVE_AFTER, WINDOW
 
 pytestmark = pytest.mark.timeout(120)
 SIGKILLED = -signal.SIGKILL
@@ -80,7 +81,12 @@ def test_worker_leaving_under_load_loses_no_call_of_the_others() -> None:
         assert_every_call_ended(with_leaver)
         assert with_peer["failures"] == 0, with_peer
         assert seen["peer_calls_after_gone"] >= 300
-        assert with_leaver["completed"] >= 70 and with_leaver["failures"] > 0, with_leaver
+        # It served LEAVE_AFTER calls of each caller; a non-graceful leave may drop the
+        # answers it had not sent yet, at most the calls in flight to it (half the window).
+        served_here = leaver["served"][f"w{worker.rank}"]
+        assert with_leaver["completed"] <= served_here, (with_leaver, leaver)
+        assert with_leaver["completed"] >= LEAVE_AFTER - WINDOW // 2, with_leaver
+        assert with_leaver["failures"] > 0, with_leaver
         assert set(with_leaver["failed"]) == {"PeerLostError"}, with_leaver
         assert with_leaver["not_naming_peer"] == [], with_leaver
         assert seen["shutdown_s"] < 20
