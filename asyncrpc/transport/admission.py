@@ -9,7 +9,8 @@ long each may stay; :class:`Admission` bounds how many there are at once.  The
 listener's protocol factory asks :meth:`Admission.admit` for a protocol: up to
 ``limit`` Links may be handshaking at once; beyond that, a new connection gets
 :class:`Refused`, which closes it as soon as it is made, and a warning says so
-at most once every ``WARN_EVERY`` seconds (with how many were refused since).
+at most once every ``WARN_EVERY`` seconds of an injected clock (with how many
+were refused since).
 A Link leaves the count when it is established or lost (``settled``), so an
 established peer never holds a slot.  Outgoing links are not counted: we dialed
 them.
@@ -39,8 +40,9 @@ class Refused(asyncio.Protocol):
 class Admission:
     """Counts the inbound Links still handshaking; refuses connections past ``limit``."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.limit = limit
+        self.clock = clock
         self.refused = 0  # connections refused in all
         self._handshaking: set[Link] = set()
         self._unreported = 0  # refused since the last warning
@@ -67,7 +69,7 @@ class Admission:
     def _refuse(self) -> None:
         self.refused += 1
         self._unreported += 1
-        now = time.monotonic()
+        now = self.clock()
         if now - self._warned_at >= WARN_EVERY:
             log.warning(
                 "refusing inbound connections: %d are still authenticating "
