@@ -703,7 +703,8 @@ class RpcAgent:
 
     def debug_info(self) -> dict[str, Any]:
         """Pending outgoing calls, running incoming calls, connected peers and more."""
-        peers = self._inbound.peers | set(self._links)
+        dialed = {name for name, link in self._links.items() if not link.closing}
+        peers = self._inbound.peers | dialed
         info: dict[str, Any] = {
             "worker": self.info.name,
             "rank": self.info.id,

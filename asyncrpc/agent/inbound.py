@@ -166,7 +166,8 @@ class Inbound:
 
     @property
     def peers(self) -> set[str]:
-        return {link.peer.name for link in self._links}
+        """The workers whose links to us are open (not closing)."""
+        return {link.peer.name for link in self._links if not link.closing}
 
     @property
     def running(self) -> int:

@@ -157,7 +157,8 @@ class Link(asyncio.BufferedProtocol):
         self.max_frame_size = handshake.max_frame_size  # the largest body we accept
         self.max_send_size = self.max_frame_size  # and the peer's, once it is known
         self.ready: asyncio.Future[Link] = asyncio.get_running_loop().create_future()
-        self.closed = False
+        self.closed = False  # lost: ``link_lost`` was called
+        self.closing = False  # lost, or ``close()`` was called
         self._loop = asyncio.get_running_loop()
         self._decoder = FrameDecoder(HANDSHAKE_LIMITS, allocate=allocate)
         self._segments = segments
@@ -526,6 +527,7 @@ class Link(asyncio.BufferedProtocol):
     def close(self) -> None:
         """Close after queued bytes are written (messages waiting for their segments
         too: filling a segment always finishes)."""
+        self.closing = True
         if self._queue:
             self._close_when_sent = True
             return
@@ -546,7 +548,7 @@ class Link(asyncio.BufferedProtocol):
     def _finish(self, exc: BaseException) -> None:
         if self.closed:
             return
-        self.closed = True
+        self.closed = self.closing = True
         self._handshake_timer.cancel()
         self._writes.drain()
         self._queue.clear()

@@ -218,6 +218,23 @@ async def test_shutdown_with_no_time_limit_waits_for_the_peer(
     assert a.state == b.state == "closed"
 
 
+async def test_a_worker_shut_down_lists_no_connected_peer(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    a, b = pair
+    assert await a.rpc_async("b", operator.add, (1, 2)) == 3  # a link both ways
+    assert await b.rpc_async("a", operator.add, (1, 2)) == 3
+    assert a.debug_info()["connected_peers"] == ["b"]
+    seen_on_return: list[list[str]] = []  # the moment each shutdown returns, no turn later
+
+    async def shut(agent: RpcAgent) -> None:
+        await agent.shutdown()
+        seen_on_return.append(agent.debug_info()["connected_peers"])
+
+    await asyncio.gather(shut(a), shut(b))
+    assert seen_on_return == [[], []]
+
+
 async def test_a_peer_given_up_for_dead_at_shutdown_is_answered_when_it_shows_up(
     pair: tuple[RpcAgent, RpcAgent], monkeypatch: pytest.MonkeyPatch
 ) -> None:
