@@ -67,7 +67,7 @@ from typing import Any, Protocol, TypeVar
 
 from asyncrpc.agent.dispatch import function_name, unpack_error
 from asyncrpc.agent.inbound import Inbound
-from asyncrpc.agent.notices import Notices, delivered, handle
+from asyncrpc.agent.notices import Notice, Notices, delivered, handle
 from asyncrpc.agent.outgoing import Outgoing
 from asyncrpc.agent.polling import BusyPoller
 from asyncrpc.agent.shutdown import (
@@ -349,7 +349,7 @@ class RpcAgent:
         that has seen our SHUTDOWN has handled every notice we sent before it)."""
         notices = self._notices.take(link.peer.name)
         if notices:
-            link.send(Kind.NOTICE, {"n": notices})
+            self._write(link, self._notice_message(link.peer.name, notices))
         for phase in phases:
             link.send(Kind.SHUTDOWN, {"rank": self.info.id, "phase": phase})
 
@@ -468,9 +468,13 @@ class RpcAgent:
     def _send_notices(self) -> None:
         """Everything queued leaves now, in a NOTICE frame per peer."""
         for peer, notices in self._notices.take_all().items():
-            message = Outgoing(Kind.NOTICE, {})
-            message.carry(notices, functools.partial(self._notices.give_back, peer))
-            self._send(peer, message)
+            self._send(peer, self._notice_message(peer, notices))
+
+    def _notice_message(self, peer: str, notices: list[Notice]) -> Outgoing:
+        """A NOTICE frame carrying ``notices``; they are given back if it never leaves."""
+        message = Outgoing(Kind.NOTICE, {})
+        message.carry(notices, functools.partial(self._notices.give_back, peer))
+        return message
 
     def _send(self, peer: str, message: Outgoing) -> None:
         """Write ``message`` now if ``peer``'s link is up and nothing waits for it, else

@@ -121,6 +121,22 @@ async def test_graceful_shutdown_delivers_queued_notices_first(
     assert seen[-1] == ("b", 0, "last words")
 
 
+async def test_notices_queued_as_shutdown_starts_leave_before_its_announcement(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    """No loop turn between ``notify`` and ``shutdown``: the notice still leaves before
+    a's SHUTDOWN announcement, in a NOTICE frame of its own, and b handles it."""
+    a, b = pair
+    await a.rpc_async("b", record_call, ("dial",))
+    b_leaves = asyncio.ensure_future(b.shutdown())
+    kinds = count_frames(a, "b")
+    a.notify("b", "test.record", "last words")
+    await a.shutdown()
+    await b_leaves
+    assert kinds[:2] == [Kind.NOTICE, Kind.SHUTDOWN]
+    assert seen[-1] == ("b", 0, "last words")
+
+
 async def test_notify_needs_a_running_agent_and_a_known_worker(
     pair: tuple[RpcAgent, RpcAgent],
 ) -> None:
