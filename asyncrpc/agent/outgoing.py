@@ -105,14 +105,18 @@ class Outgoing:
     def encode_for(self, link: Link) -> Parts:
         """Its bytes for ``link`` (any thread; see ``Link.encode``), to be written with
         ``link.write`` and then marked sent.  If the link refuses it, it is abandoned
-        and the link's error raised."""
+        and the link's error raised.  The buffers are let go once encoded: the parts
+        hold what is still to be written, and a buffer copied into shared memory can
+        die (releasing the segment it may live in) before the message leaves."""
         try:
-            return link.encode(
+            parts = link.encode(
                 self.kind, self.meta, self.payload, self.buffers, function=self.function
             )
         except BaseException:
             self.abandon()
             raise
+        self.buffers = []
+        return parts
 
     def sent(self) -> None:
         """It left: its effects stand and its notices are delivered."""

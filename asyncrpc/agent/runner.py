@@ -151,6 +151,7 @@ class Runner:
             call.ok = True
         except BaseException as exc:
             call.value = exc
+        call.args, call.kwargs = (), {}  # they may hold a peer's segments: released first
         self.learn(call.name, time.perf_counter() - started)
         self._finished.append(call)
         with self._lock:

@@ -62,6 +62,7 @@ import contextlib
 import functools
 import logging
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -160,6 +161,7 @@ class Link(asyncio.BufferedProtocol):
         self.closed = False  # lost: ``link_lost`` was called
         self.closing = False  # lost, or ``close()`` was called
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self._decoder = FrameDecoder(HANDSHAKE_LIMITS, allocate=allocate)
         self._segments = segments
         self._share_memory = False
@@ -431,9 +433,14 @@ class Link(asyncio.BufferedProtocol):
 
     def _write_now(self, parts: Parts) -> None:
         """Hand a message to the coalescer (see ``WriteCoalescer``): it leaves now or
-        with its burst at the end of this loop turn."""
+        with its burst at the end of this loop turn, after any segment keys queued
+        meanwhile (``_send_keys``)."""
         if self.closed:
             return
+        if self._segment_keys:
+            parts = [*self._encode_keys(), *parts]
+            if not parts:
+                return
         self.handler.frames_sent(self)
         if not self._writes.in_turn:
             self._loop.call_soon(self._end_turn)
@@ -456,8 +463,15 @@ class Link(asyncio.BufferedProtocol):
         self._tell_peer(Kind.UNMAP, keys)
 
     def _tell_peer(self, kind: Kind, keys: list[int]) -> None:
-        if not self.closed:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
+        """Queue keys for the peer.  On the loop thread they join the batch at once, so
+        that a message written next in this turn (a user's next call, right after it
+        dropped the tensor on a segment) carries them ahead of itself."""
+        if self.closed:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
+            if threading.get_ident() == self._loop_thread:
+                self._queue_keys(kind, keys)
+            else:
                 self._loop.call_soon_threadsafe(self._queue_keys, kind, keys)
 
     def _queue_keys(self, kind: Kind, keys: list[int]) -> None:
@@ -466,10 +480,21 @@ class Link(asyncio.BufferedProtocol):
         self._segment_keys.setdefault(kind, []).extend(keys)
 
     def _send_keys(self) -> None:
+        """Queued RELEASE and UNMAP keys leave now, ahead of messages still waiting for
+        their segments (neither refers to a segment such a message uses), so that the
+        peer can reuse a released segment for the message that crosses them."""
+        if self._segment_keys:
+            self._write_now([])
+
+    def _encode_keys(self) -> Parts:
         batches, self._segment_keys = self._segment_keys, {}
-        if self.handshake.established:
-            for kind, keys in batches.items():
-                self.send(kind, {"k": keys})
+        if not self.handshake.established:
+            return []
+        return [
+            part
+            for kind, keys in batches.items()
+            for part in encode_frame(kind, {"k": keys}, max_frame_size=self.max_send_size)
+        ]
 
     # -- flow control for readers --------------------------------------------------
 

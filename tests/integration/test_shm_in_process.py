@@ -56,6 +56,11 @@ def tensor(nbytes: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, generator=generator)
 
 
+def echo(x: torch.Tensor) -> torch.Tensor:
+    """A plain function (run in the callee's pool) that sends its argument back."""
+    return x
+
+
 @pytest.fixture(autouse=True)
 def fresh() -> None:
     arrivals.clear()
@@ -124,6 +129,42 @@ async def test_copies_run_off_the_loop_unless_small_and_warm_and_nothing_overtak
     assert threading.current_thread().name in copied_on
     stats = shared(a)
     assert stats["fallbacks"] == 0 and stats["segments_in_use"] + stats["segments_idle"] == 2
+
+
+@pytest.mark.parametrize("nbytes", [2 * MiB, 32 * MiB], ids=["copied-on-the-loop", "copier"])
+async def test_a_callers_segment_is_free_again_when_the_reply_arrives(
+    pair: tuple[RpcAgent, RpcAgent], nbytes: int
+) -> None:
+    """The callee lets go of a request's segment before its reply leaves, so a caller
+    calling again at once reuses it (its next call used to beat the release and pay
+    for a new, cold segment)."""
+    a, _ = pair
+    x = tensor(nbytes, 30)
+    for _ in range(4):
+        y = await a.rpc_async("b", echo, args=(x,))
+        assert shared(a)["segments_in_use"] == 0
+        assert torch.equal(y, x)
+    assert shared(a)["peak_bytes"] == nbytes
+
+
+@pytest.mark.parametrize("nbytes", [2 * MiB, 32 * MiB], ids=["copied-on-the-loop", "copier"])
+async def test_keeping_the_previous_result_alive_costs_the_callee_two_segments(
+    pair: tuple[RpcAgent, RpcAgent], nbytes: int
+) -> None:
+    """A caller that keeps its previous result while the next call runs, as training
+    loops do: dropping it releases the callee's segment ahead of the next request, even
+    one still waiting for its copy (the release waited behind it, and the callee's
+    reply took a third segment, or the socket once the budget was spent)."""
+    a, b = pair
+    x = tensor(nbytes, 31)
+    previous = None
+    for _ in range(6):
+        result = await a.rpc_async("b", echo, args=(x,))
+        assert previous is None or torch.equal(previous, x)  # alive until here
+        previous = result
+    stats = shared(b)
+    assert stats["fallbacks"] == 0
+    assert stats["peak_bytes"] == 2 * nbytes
 
 
 @pytest.mark.parametrize(
