@@ -699,6 +699,39 @@ async def test_a_segment_the_receiver_lets_go_of_goes_back_to_the_pool(pool: Hel
     assert pool.stats["segments_idle"] == 1
 
 
+@shared_memory
+async def test_a_release_leaves_ahead_of_a_message_still_waiting_for_its_copy(
+    pool: HeldCopies,
+) -> None:
+    dialer, listener = await connected(segments=pool)
+    listener.send(1, b"", (large(1),))
+    pool.finish(0)
+    await exchange(dialer, listener, lambda: len(dialer.owner.frames) == 1)
+    dialer.send(2, b"", (large(2),))  # its copy is held: it waits
+    dialer.owner.frames.clear()  # the view of the listener's segment dies: RELEASE
+    await exchange(dialer, listener, lambda: pool.stats["segments_in_use"] == 1)
+    assert listener.received() == []  # message 2 still waits for its copy
+    pool.finish(1)
+    await exchange(dialer, listener, lambda: listener.received() == [2])
+
+
+@shared_memory
+async def test_a_message_written_after_a_release_carries_it_first(pool: HeldCopies) -> None:
+    """A caller that drops a result and calls again at once: the release is in the
+    very write of the call, ahead of it, so the peer can reuse that segment for it."""
+    dialer, listener = await connected(segments=pool)
+    listener.send(1, b"", (large(1),))
+    pool.finish(0)
+    await exchange(dialer, listener, lambda: len(dialer.owner.frames) == 1)
+    writes = len(dialer.transport.writes)
+    dialer.owner.frames.clear()  # RELEASE, from the loop thread
+    dialer.send(2)
+    assert len(dialer.transport.writes) == writes + 1
+    feed(listener, dialer.transport.writes[-1], chunk=len(dialer.transport.writes[-1]))
+    assert listener.received() == [2]
+    assert pool.stats["segments_in_use"] == 0  # handled before message 2
+
+
 # -- encoding off the loop (what a pool thread does for a reply) -----------------------
 
 
