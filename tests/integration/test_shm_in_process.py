@@ -61,6 +61,11 @@ def echo(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+async def negate(x: torch.Tensor) -> torch.Tensor:
+    """A coroutine (run on the callee's loop) answering with a new tensor."""
+    return -x
+
+
 @pytest.fixture(autouse=True)
 def fresh() -> None:
     arrivals.clear()
@@ -131,9 +136,10 @@ async def test_copies_run_off_the_loop_unless_small_and_warm_and_nothing_overtak
     assert stats["fallbacks"] == 0 and stats["segments_in_use"] + stats["segments_idle"] == 2
 
 
+@pytest.mark.parametrize("func", [echo, negate], ids=["plain-echo", "coroutine-negate"])
 @pytest.mark.parametrize("nbytes", [2 * MiB, 32 * MiB], ids=["copied-on-the-loop", "copier"])
 async def test_a_callers_segment_is_free_again_when_the_reply_arrives(
-    pair: tuple[RpcAgent, RpcAgent], nbytes: int
+    pair: tuple[RpcAgent, RpcAgent], nbytes: int, func: Callable[[torch.Tensor], torch.Tensor]
 ) -> None:
     """The callee lets go of a request's segment before its reply leaves, so a caller
     calling again at once reuses it (its next call used to beat the release and pay
@@ -141,9 +147,9 @@ async def test_a_callers_segment_is_free_again_when_the_reply_arrives(
     a, _ = pair
     x = tensor(nbytes, 30)
     for _ in range(4):
-        y = await a.rpc_async("b", echo, args=(x,))
+        y = await a.rpc_async("b", func, args=(x,))
         assert shared(a)["segments_in_use"] == 0
-        assert torch.equal(y, x)
+        assert torch.equal(y, x if func is echo else -x)
     assert shared(a)["peak_bytes"] == nbytes
 
 
