@@ -29,8 +29,11 @@ compat: install
 demo: install
 	$(PY) examples/parameter_server.py
 
+# Both frameworks side by side (README, "Performance"); writes benchmarks/results/latest.json
+# and latest.png.  BENCH_ARGS="--workloads bandwidth,fanin --rounds 1" for a part of it.
+BENCH_ARGS ?=
 bench: install
-	$(PY) benchmarks/bench_rpc.py
+	$(PY) benchmarks/bench_rpc.py $(BENCH_ARGS)
 
 # Three workers under mixed traffic; fails on a lost call, an unexpected error or a crash.
 # SOAK_ARGS="--duration 600 --json soak.json" for the long run.

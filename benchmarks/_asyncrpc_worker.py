@@ -1,7 +1,7 @@
 """One asyncrpc worker of the benchmark (on uvloop); see bench_rpc.py.
 
-Rank 0 drives every workload against rank 1 and writes its numbers as JSON;
-rank 1 only serves.  Both leave through the graceful ``asyncrpc.shutdown``.
+The last rank (``server``) only serves; every other rank runs ``--workload`` against
+it and writes its numbers as JSON.  All leave through the graceful ``asyncrpc.shutdown``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ from _common import (
     make_tensor,
     ns_to_us,
     parse_worker_args,
+    percentiles,
     pin_to,
+    size_label,
     summary,
     write_results,
 )
@@ -115,9 +117,10 @@ async def model_parallel_step_us(cfg: Config) -> Results:
     return result
 
 
-async def run_window(cfg: Config, calls: int) -> float:
-    """Issue ``calls`` no-op calls with ``cfg.window`` in flight; returns calls per second."""
-    slots = asyncio.Semaphore(cfg.window)
+async def run_window(window: int, calls: int) -> tuple[int, int]:
+    """Issue ``calls`` no-op calls with ``window`` in flight; returns (start, end) in
+    ``time.monotonic_ns()``, a clock all processes of the host share."""
+    slots = asyncio.Semaphore(window)
     errors: list[BaseException] = []
 
     def done(future: asyncio.Future[Any]) -> None:
@@ -127,21 +130,26 @@ async def run_window(cfg: Config, calls: int) -> float:
             errors.append(future.exception())  # type: ignore[arg-type]
         slots.release()
 
-    start = time.perf_counter_ns()
+    start = time.monotonic_ns()
     for _ in range(calls):
         await slots.acquire()
         asyncrpc.rpc_async(CALLEE, fns.noop).add_done_callback(done)
-    for _ in range(cfg.window):
+    for _ in range(window):
         await slots.acquire()
-    elapsed = time.perf_counter_ns() - start
+    end = time.monotonic_ns()
     if errors:
         raise errors[0]
-    return calls / (elapsed / 1e9)
+    return start, end
+
+
+def rate(calls: int, span: tuple[int, int]) -> float:
+    return calls / ((span[1] - span[0]) / 1e9)
 
 
 async def pipelined_rate(cfg: Config) -> Results:
-    await run_window(cfg, cfg.pipelined_warmup)
-    rates = [await run_window(cfg, cfg.pipelined_calls) for _ in range(cfg.pipelined_repeats)]
+    await run_window(cfg.window, cfg.pipelined_warmup)
+    calls = cfg.pipelined_calls
+    rates = [rate(calls, await run_window(cfg.window, calls)) for _ in range(cfg.pipelined_repeats)]
     return summary(rates)
 
 
@@ -160,17 +168,34 @@ async def memory_probe(cfg: Config) -> Results:
     }
 
 
-async def echo_ms(size_mb: int, repeats: int) -> Results:
-    """Round-trip times (ms) of echoing a ``size_mb`` tensor, after a checked warm-up."""
-    tensor = make_tensor(size_mb * MB)
-    check_echo(tensor, await call(fns.echo, tensor))
+async def echo_ms(cfg: Config, nbytes: int, repeats: int, *, keep_previous: bool) -> Results:
+    """Round-trip times (ms) of echoing a tensor of ``nbytes``, after ``cfg.echo_warmup``
+    echoes (the first one checked).  With ``keep_previous`` each result stays referenced
+    until the next one has arrived, as in ``prev = await rpc_async(...)``."""
+    tensor = make_tensor(nbytes)
+    alive: list[torch.Tensor] = []
     times = []
-    for _ in range(repeats):
+    for index in range(cfg.echo_warmup + repeats):
         start = time.perf_counter_ns()
         result = await call(fns.echo, tensor)
-        times.append((time.perf_counter_ns() - start) / 1e6)
+        elapsed_ms = (time.perf_counter_ns() - start) / 1e6
+        if index == 0:
+            check_echo(tensor, result)
+        if index >= cfg.echo_warmup:
+            times.append(elapsed_ms)
+        alive[:] = [result] if keep_previous else []
         del result
     return summary(times)
+
+
+async def echo_rows(cfg: Config, *, keep_previous: bool) -> Results:
+    """``echo_ms`` of each of ``cfg.sizes_mb``, keyed by size in MB."""
+    return {
+        str(nbytes // MB): await bounded(
+            cfg, echo_ms(cfg, nbytes, repeats, keep_previous=keep_previous)
+        )
+        for nbytes, repeats in cfg.echo_sizes
+    }
 
 
 async def debug_info_when_settled() -> dict[str, Any]:
@@ -187,8 +212,9 @@ async def bounded(cfg: Config, step: Coroutine[Any, Any, T]) -> T:
         return await step
 
 
-async def drive(cfg: Config) -> Results:
-    results: Results = {
+async def calls(cfg: Config, job: WorkerArgs) -> Results:
+    """The small-call rows, the memory probe and the plain tensor echo."""
+    return {
         "noop_us": await bounded(cfg, latency_us(cfg, fns.noop)),
         "coroutine_noop_us": await bounded(cfg, latency_us(cfg, fns.coro_noop)),
         "remote_to_here_us": await bounded(cfg, remote_to_here_us(cfg)),
@@ -196,28 +222,90 @@ async def drive(cfg: Config) -> Results:
         "model_parallel_step_us": await bounded(cfg, model_parallel_step_us(cfg)),
         "pipelined_calls_per_s": await bounded(cfg, pipelined_rate(cfg)),
         "memory": await bounded(cfg, memory_probe(cfg)),
-        "echo_ms": {},
+        "echo_ms": await echo_rows(cfg, keep_previous=False),
+        "debug_info": await bounded(cfg, debug_info_when_settled()),
     }
-    for mb, repeats in zip(cfg.sizes_mb, cfg.echo_repeats, strict=True):
-        results["echo_ms"][str(mb)] = await bounded(cfg, echo_ms(mb, repeats))
-    results["debug_info"] = await bounded(cfg, debug_info_when_settled())
-    return results
+
+
+async def cold(cfg: Config, job: WorkerArgs) -> Results:
+    """In a fresh pair: one no-op (it opens the connection), then the first echo of all."""
+    assert job.size is not None
+    tensor = make_tensor(job.size)
+    start = time.perf_counter_ns()
+    await bounded(cfg, call(fns.noop))
+    noop_done = time.perf_counter_ns()
+    result = await bounded(cfg, call(fns.echo, tensor))
+    echo_done = time.perf_counter_ns()
+    check_echo(tensor, result)
+    return {
+        "first_noop_ms": (noop_done - start) / 1e6,
+        "first_echo_ms": (echo_done - noop_done) / 1e6,
+    }
+
+
+async def steady(cfg: Config, job: WorkerArgs) -> Results:
+    return {"echo_ms": await echo_rows(cfg, keep_previous=True)}
+
+
+async def bandwidth(cfg: Config, job: WorkerArgs) -> Results:
+    """Echo times along ``cfg.bandwidth_sizes``, up to ``job.size`` bytes."""
+    assert job.size is not None
+    return {
+        size_label(nbytes): await bounded(
+            cfg, echo_ms(cfg, nbytes, cfg.bandwidth_repeats(nbytes), keep_previous=False)
+        )
+        for nbytes in cfg.bandwidth_sizes
+        if nbytes <= job.size
+    }
+
+
+async def fanin(cfg: Config, job: WorkerArgs) -> Results:
+    """One of ``job.clients`` clients, each with ``cfg.fanin_window`` no-ops in flight;
+    every timed window starts when all clients are ready."""
+    await bounded(cfg, run_window(cfg.fanin_window, cfg.fanin_warmup))
+    spans = []
+    for _ in range(cfg.fanin_repeats):
+        await bounded(cfg, call(fns.rendezvous, job.clients))
+        spans.append(await bounded(cfg, run_window(cfg.fanin_window, cfg.fanin_calls)))
+    return {"calls": cfg.fanin_calls, "spans_ns": spans}
+
+
+async def spread(cfg: Config, job: WorkerArgs) -> Results:
+    """Percentiles of single sequential no-op round trips (µs), after a warm-up."""
+    for _ in range(cfg.spread_warmup):
+        await call(fns.noop)
+    samples = []
+    for _ in range(cfg.spread_calls):
+        start = time.perf_counter_ns()
+        await call(fns.noop)
+        samples.append(ns_to_us(time.perf_counter_ns() - start, 1))
+    return {"noop_us": percentiles(samples)}
+
+
+WORKLOADS: dict[str, Callable[[Config, WorkerArgs], Awaitable[Results]]] = {
+    "calls": calls,
+    "cold": cold,
+    "steady": steady,
+    "bandwidth": bandwidth,
+    "fanin": fanin,
+    "spread": spread,
+}
 
 
 async def main(args: WorkerArgs) -> None:
     cfg = config(args.quick)
     await asyncrpc.init_rpc(
-        f"w{args.rank}",
+        args.name,
         rank=args.rank,
-        world_size=2,
+        world_size=args.world_size,
         init_method=args.init_method,
         rpc_timeout=cfg.rpc_timeout,
     )
     try:
-        if args.rank == 0:
-            write_results(args.out, await drive(cfg))
+        if not args.serves:
+            write_results(args.results_path, await WORKLOADS[args.workload](cfg, args))
     finally:
-        await asyncrpc.shutdown(timeout=cfg.rpc_timeout if args.rank == 0 else SERVE_LIMIT_S)
+        await asyncrpc.shutdown(timeout=SERVE_LIMIT_S if args.serves else cfg.rpc_timeout)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,12 @@ from typing import Any
 
 import torch
 
-MB = 1 << 20
-CALLER = "w0"
-CALLEE = "w1"
+KB, MB, GB = 1 << 10, 1 << 20, 1 << 30
+CALLEE = "server"
+"""The serving process: the last rank of every job; the other ranks (``w0``...) drive."""
 Results = dict[str, Any]
+WORKLOADS = ("calls", "cold", "steady", "bandwidth", "fanin", "spread")
+"""What one job of fresh processes runs (bench_rpc.py's docstring describes each)."""
 BATCH, FEATURES, CLASSES = 32, 256, 10
 """Shape of the model-parallel step: a float32 batch of BATCH x FEATURES, CLASSES labels."""
 
@@ -34,6 +36,18 @@ class Config:
     pipelined_repeats: int
     sizes_mb: tuple[int, ...]
     echo_repeats: tuple[int, ...]
+    echo_warmup: int
+    bandwidth_sizes: tuple[int, ...]
+    bandwidth_bytes: int
+    bandwidth_max_repeats: int
+    fanin_clients: tuple[int, ...]
+    fanin_window: int
+    fanin_warmup: int
+    fanin_calls: int
+    fanin_repeats: int
+    spread_pairs: int
+    spread_warmup: int
+    spread_calls: int
     step_warmup: int
     step_batches: int
     steps_per_batch: int
@@ -53,6 +67,31 @@ class Config:
         """Warm-up steps, batches and steps per batch of the model-parallel step row."""
         return self.step_warmup, self.step_batches, self.steps_per_batch
 
+    @property
+    def echo_sizes(self) -> list[tuple[int, int]]:
+        """(bytes, timed repeats) of the tensor echo, steady and cold rows."""
+        return [(mb * MB, n) for mb, n in zip(self.sizes_mb, self.echo_repeats, strict=True)]
+
+    def bandwidth_repeats(self, nbytes: int) -> int:
+        """Timed echoes of one point of the bandwidth curve: fewer for larger tensors."""
+        return max(3, min(self.bandwidth_max_repeats, self.bandwidth_bytes // nbytes))
+
+
+def powers_of_4(smallest: int, largest: int) -> tuple[int, ...]:
+    """``smallest``, 4 times it, ... up to ``largest`` (bytes)."""
+    sizes = [smallest]
+    while sizes[-1] * 4 <= largest:
+        sizes.append(sizes[-1] * 4)
+    return tuple(sizes)
+
+
+def size_label(nbytes: int) -> str:
+    """``1K``, ``64M``, ``400M``, ``1G``: a size in the largest binary unit it is a whole of."""
+    for unit, suffix in ((GB, "G"), (MB, "M"), (KB, "K")):
+        if nbytes >= unit and nbytes % unit == 0:
+            return f"{nbytes // unit}{suffix}"
+    return f"{nbytes}B"
+
 
 FULL = Config(
     warmup_calls=500,
@@ -64,6 +103,18 @@ FULL = Config(
     pipelined_repeats=3,
     sizes_mb=(4, 64, 400),
     echo_repeats=(20, 10, 5),
+    echo_warmup=2,
+    bandwidth_sizes=powers_of_4(KB, GB),
+    bandwidth_bytes=GB,
+    bandwidth_max_repeats=200,
+    fanin_clients=(1, 2, 4, 8),
+    fanin_window=64,
+    fanin_warmup=500,
+    fanin_calls=4000,
+    fanin_repeats=3,
+    spread_pairs=6,
+    spread_warmup=500,
+    spread_calls=2000,
     step_warmup=50,
     step_batches=5,
     steps_per_batch=100,
@@ -81,6 +132,18 @@ QUICK = Config(
     pipelined_repeats=1,
     sizes_mb=(4,),
     echo_repeats=(5,),
+    echo_warmup=2,
+    bandwidth_sizes=powers_of_4(KB, 4 * MB),
+    bandwidth_bytes=16 * MB,
+    bandwidth_max_repeats=20,
+    fanin_clients=(1, 2),
+    fanin_window=64,
+    fanin_warmup=256,
+    fanin_calls=1000,
+    fanin_repeats=1,
+    spread_pairs=2,
+    spread_warmup=50,
+    spread_calls=300,
     step_warmup=20,
     step_batches=3,
     steps_per_batch=30,
@@ -98,8 +161,11 @@ class WorkerArgs:
     """Command line of a worker process (see ``bench_rpc.spawn_worker``)."""
 
     rank: int
+    world_size: int
     port: int
     out: Path
+    workload: str
+    size: int | None
     quick: bool
     cpu: int | None
 
@@ -107,16 +173,49 @@ class WorkerArgs:
     def init_method(self) -> str:
         return f"tcp://127.0.0.1:{self.port}"
 
+    @property
+    def name(self) -> str:
+        return worker_name(self.rank, self.world_size)
+
+    @property
+    def serves(self) -> bool:
+        return self.name == CALLEE
+
+    @property
+    def clients(self) -> int:
+        """How many ranks drive the workload (all but the server)."""
+        return self.world_size - 1
+
+    @property
+    def results_path(self) -> Path:
+        return results_path(self.out, self.rank)
+
+
+def worker_name(rank: int, world_size: int) -> str:
+    return CALLEE if rank == world_size - 1 else f"w{rank}"
+
+
+def results_path(out: Path, rank: int) -> Path:
+    """Where driving rank ``rank`` writes its results, in the job's folder ``out``."""
+    return out / f"rank{rank}.json"
+
 
 def parse_worker_args(argv: Sequence[str] | None = None) -> WorkerArgs:
     parser = argparse.ArgumentParser(description="one benchmark worker (started by bench_rpc.py)")
-    parser.add_argument("rank", type=int, choices=(0, 1))
+    parser.add_argument("rank", type=int)
     parser.add_argument("port", type=int)
-    parser.add_argument("out", type=Path, help="where rank 0 writes its results (JSON)")
+    parser.add_argument("out", type=Path, help="folder where driving ranks write their results")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--workload", choices=WORKLOADS, default="calls")
+    parser.add_argument("--size", type=int, help="tensor size in bytes (cold, bandwidth)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--cpu", type=int, help="run every thread of this process on this CPU")
     ns = parser.parse_args(argv)
-    return WorkerArgs(ns.rank, ns.port, ns.out, ns.quick, ns.cpu)
+    if not 0 <= ns.rank < ns.world_size:
+        parser.error(f"rank {ns.rank} is outside a world of {ns.world_size}")
+    return WorkerArgs(
+        ns.rank, ns.world_size, ns.port, ns.out, ns.workload, ns.size, ns.quick, ns.cpu
+    )
 
 
 def pin_to(cpu: int | None) -> None:
@@ -172,6 +271,12 @@ def ns_to_us(elapsed_ns: int, calls: int) -> float:
 
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
+
+
+def percentiles(samples: list[float]) -> Results:
+    """p10, p50 and p90 of per-call samples (the samples themselves are not kept)."""
+    deciles = statistics.quantiles(samples, n=10)
+    return {"p10": deciles[0], "p50": median(samples), "p90": deciles[-1], "count": len(samples)}
 
 
 def summary(samples: list[float]) -> Results:

@@ -8,6 +8,7 @@ every worker runs a script from this directory, which puts it on ``sys.path``.
 from __future__ import annotations
 
 import resource
+import threading
 from typing import Any
 
 import torch
@@ -76,6 +77,22 @@ class Stage2(torch.nn.Module):
 def echo(x: torch.Tensor) -> torch.Tensor:
     """Send the argument straight back."""
     return x
+
+
+_barriers: dict[int, threading.Barrier] = {}
+_barriers_lock = threading.Lock()
+RENDEZVOUS_TIMEOUT_S = 120.0
+
+
+def rendezvous(parties: int) -> None:
+    """Return once ``parties`` callers are in here: the fan-in clients start together.
+
+    A plain function, so each waiting caller holds one of the server's pool threads
+    (both frameworks have 16, and at most 8 clients wait).
+    """
+    with _barriers_lock:
+        barrier = _barriers.setdefault(parties, threading.Barrier(parties))
+    barrier.wait(timeout=RENDEZVOUS_TIMEOUT_S)
 
 
 def peak_rss_kb() -> int:

@@ -1,7 +1,7 @@
 """One torch.distributed.rpc (TensorPipe) worker of the benchmark; see bench_rpc.py.
 
-Rank 0 drives every workload against rank 1 and writes its numbers as JSON;
-rank 1 only serves.  Both leave through the graceful ``rpc.shutdown``.
+The last rank (``server``) only serves; every other rank runs ``--workload`` against
+it and writes its numbers as JSON.  All leave through the graceful ``rpc.shutdown``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from _common import (
     MB,
     Config,
     Results,
+    WorkerArgs,
     check_echo,
     check_trained,
     check_value,
@@ -29,7 +30,9 @@ from _common import (
     make_tensor,
     ns_to_us,
     parse_worker_args,
+    percentiles,
     pin_to,
+    size_label,
     summary,
     write_results,
 )
@@ -105,9 +108,10 @@ def model_parallel_step_us(cfg: Config) -> Results:
     return result
 
 
-def run_window(cfg: Config, calls: int) -> float:
-    """Issue ``calls`` no-op calls with ``cfg.window`` in flight; returns calls per second."""
-    slots = threading.Semaphore(cfg.window)
+def run_window(cfg: Config, window: int, calls: int) -> tuple[int, int]:
+    """Issue ``calls`` no-op calls with ``window`` in flight; returns (start, end) in
+    ``time.monotonic_ns()``, a clock all processes of the host share."""
+    slots = threading.Semaphore(window)
     errors: list[BaseException] = []
 
     def done(future: torch.futures.Future[None]) -> None:
@@ -121,21 +125,28 @@ def run_window(cfg: Config, calls: int) -> float:
         if not slots.acquire(timeout=cfg.rpc_timeout):
             raise TimeoutError(f"no reply within {cfg.rpc_timeout}s with a full window")
 
-    start = time.perf_counter_ns()
+    start = time.monotonic_ns()
     for _ in range(calls):
         take_slot()
         rpc.rpc_async(CALLEE, fns.noop).add_done_callback(done)
-    for _ in range(cfg.window):
+    for _ in range(window):
         take_slot()
-    elapsed = time.perf_counter_ns() - start
+    end = time.monotonic_ns()
     if errors:
         raise errors[0]
-    return calls / (elapsed / 1e9)
+    return start, end
+
+
+def rate(calls: int, span: tuple[int, int]) -> float:
+    return calls / ((span[1] - span[0]) / 1e9)
 
 
 def pipelined_rate(cfg: Config) -> Results:
-    run_window(cfg, cfg.pipelined_warmup)
-    return summary([run_window(cfg, cfg.pipelined_calls) for _ in range(cfg.pipelined_repeats)])
+    run_window(cfg, cfg.window, cfg.pipelined_warmup)
+    calls = cfg.pipelined_calls
+    return summary(
+        [rate(calls, run_window(cfg, cfg.window, calls)) for _ in range(cfg.pipelined_repeats)]
+    )
 
 
 def memory_probe(cfg: Config) -> Results:
@@ -153,21 +164,37 @@ def memory_probe(cfg: Config) -> Results:
     }
 
 
-def echo_ms(size_mb: int, repeats: int) -> Results:
-    """Round-trip times (ms) of echoing a ``size_mb`` tensor, after a checked warm-up."""
-    tensor = make_tensor(size_mb * MB)
-    check_echo(tensor, rpc.rpc_sync(CALLEE, fns.echo, args=(tensor,)))
+def echo_ms(cfg: Config, nbytes: int, repeats: int, *, keep_previous: bool) -> Results:
+    """Round-trip times (ms) of echoing a tensor of ``nbytes``, after ``cfg.echo_warmup``
+    echoes (the first one checked).  With ``keep_previous`` each result stays referenced
+    until the next one has arrived, as in ``prev = rpc_sync(...)``."""
+    tensor = make_tensor(nbytes)
+    alive: list[torch.Tensor] = []
     times = []
-    for _ in range(repeats):
+    for index in range(cfg.echo_warmup + repeats):
         start = time.perf_counter_ns()
         result = rpc.rpc_sync(CALLEE, fns.echo, args=(tensor,))
-        times.append((time.perf_counter_ns() - start) / 1e6)
+        elapsed_ms = (time.perf_counter_ns() - start) / 1e6
+        if index == 0:
+            check_echo(tensor, result)
+        if index >= cfg.echo_warmup:
+            times.append(elapsed_ms)
+        alive[:] = [result] if keep_previous else []
         del result
     return summary(times)
 
 
-def drive(cfg: Config) -> Results:
-    results: Results = {
+def echo_rows(cfg: Config, *, keep_previous: bool) -> Results:
+    """``echo_ms`` of each of ``cfg.sizes_mb``, keyed by size in MB."""
+    return {
+        str(nbytes // MB): echo_ms(cfg, nbytes, repeats, keep_previous=keep_previous)
+        for nbytes, repeats in cfg.echo_sizes
+    }
+
+
+def calls(cfg: Config, job: WorkerArgs) -> Results:
+    """The small-call rows, the memory probe and the plain tensor echo."""
+    return {
         "noop_us": latency_us(cfg, fns.noop),
         "async_execution_noop_us": latency_us(cfg, fns.completed_future),
         "remote_to_here_us": remote_to_here_us(cfg),
@@ -175,11 +202,71 @@ def drive(cfg: Config) -> Results:
         "model_parallel_step_us": model_parallel_step_us(cfg),
         "pipelined_calls_per_s": pipelined_rate(cfg),
         "memory": memory_probe(cfg),
-        "echo_ms": {},
+        "echo_ms": echo_rows(cfg, keep_previous=False),
     }
-    for mb, repeats in zip(cfg.sizes_mb, cfg.echo_repeats, strict=True):
-        results["echo_ms"][str(mb)] = echo_ms(mb, repeats)
-    return results
+
+
+def cold(cfg: Config, job: WorkerArgs) -> Results:
+    """In a fresh pair: one no-op (it opens the connection), then the first echo of all."""
+    assert job.size is not None
+    tensor = make_tensor(job.size)
+    start = time.perf_counter_ns()
+    rpc.rpc_sync(CALLEE, fns.noop)
+    noop_done = time.perf_counter_ns()
+    result = rpc.rpc_sync(CALLEE, fns.echo, args=(tensor,))
+    echo_done = time.perf_counter_ns()
+    check_echo(tensor, result)
+    return {
+        "first_noop_ms": (noop_done - start) / 1e6,
+        "first_echo_ms": (echo_done - noop_done) / 1e6,
+    }
+
+
+def steady(cfg: Config, job: WorkerArgs) -> Results:
+    return {"echo_ms": echo_rows(cfg, keep_previous=True)}
+
+
+def bandwidth(cfg: Config, job: WorkerArgs) -> Results:
+    """Echo times along ``cfg.bandwidth_sizes``, up to ``job.size`` bytes."""
+    assert job.size is not None
+    return {
+        size_label(nbytes): echo_ms(cfg, nbytes, cfg.bandwidth_repeats(nbytes), keep_previous=False)
+        for nbytes in cfg.bandwidth_sizes
+        if nbytes <= job.size
+    }
+
+
+def fanin(cfg: Config, job: WorkerArgs) -> Results:
+    """One of ``job.clients`` clients, each with ``cfg.fanin_window`` no-ops in flight;
+    every timed window starts when all clients are ready."""
+    run_window(cfg, cfg.fanin_window, cfg.fanin_warmup)
+    spans = []
+    for _ in range(cfg.fanin_repeats):
+        rpc.rpc_sync(CALLEE, fns.rendezvous, args=(job.clients,))
+        spans.append(run_window(cfg, cfg.fanin_window, cfg.fanin_calls))
+    return {"calls": cfg.fanin_calls, "spans_ns": spans}
+
+
+def spread(cfg: Config, job: WorkerArgs) -> Results:
+    """Percentiles of single sequential no-op round trips (µs), after a warm-up."""
+    for _ in range(cfg.spread_warmup):
+        rpc.rpc_sync(CALLEE, fns.noop)
+    samples = []
+    for _ in range(cfg.spread_calls):
+        start = time.perf_counter_ns()
+        rpc.rpc_sync(CALLEE, fns.noop)
+        samples.append(ns_to_us(time.perf_counter_ns() - start, 1))
+    return {"noop_us": percentiles(samples)}
+
+
+WORKLOADS: dict[str, Callable[[Config, WorkerArgs], Results]] = {
+    "calls": calls,
+    "cold": cold,
+    "steady": steady,
+    "bandwidth": bandwidth,
+    "fanin": fanin,
+    "spread": spread,
+}
 
 
 def main() -> None:
@@ -194,11 +281,11 @@ def main() -> None:
         init_method=args.init_method, num_worker_threads=16, rpc_timeout=cfg.rpc_timeout
     )
     rpc.init_rpc(  # type: ignore[no-untyped-call]
-        f"w{args.rank}", rank=args.rank, world_size=2, rpc_backend_options=options
+        args.name, rank=args.rank, world_size=args.world_size, rpc_backend_options=options
     )
     try:
-        if args.rank == 0:
-            write_results(args.out, drive(cfg))
+        if not args.serves:
+            write_results(args.results_path, WORKLOADS[args.workload](cfg, args))
     finally:
         rpc.shutdown()
 
