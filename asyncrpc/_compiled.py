@@ -7,9 +7,9 @@ or when the build fails, there is no extension and the ``.py`` files load as alw
 
 ``ASYNCRPC_PURE_PYTHON=1`` makes every compiled module load from its ``.py`` instead (all
 or nothing: compiled modules may call each other natively): CI's pure-Python job, mutation
-testing and debugging use it.  An extension older than its source (the source edited
-since the last build) is passed over too, with a warning, so an edit is never hidden
-behind a stale build.
+testing and debugging use it.  In a source tree (an editable install), an extension
+older than its source (the source edited since the last build) is passed over too, with
+a warning, so an edit is never hidden behind a stale build.
 
 This module imports nothing but the standard library: the package root installs its
 finder before anything else loads.
@@ -59,7 +59,17 @@ class _SourceFinder(importlib.abc.MetaPathFinder):
         return None
 
 
+_CHECKOUT: Final = os.path.isfile(
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "setup.py")
+)
+"""Whether the package runs from its source tree (an editable install), where sources
+are edited after a build.  An installed wheel writes its files in any order, so there
+the times say nothing."""
+
+
 def _stale(directory: str, name: str, source: str) -> bool:
+    if not _CHECKOUT:
+        return False
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         extension = os.path.join(directory, name + suffix)
         if os.path.isfile(extension):
