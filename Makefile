@@ -8,18 +8,33 @@ STAMP  := $(VENV)/.installed
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: install test compat demo bench soak mutate lint typecheck clean
+.PHONY: install test test-pure compat demo bench soak mutate lint typecheck clean
 
-install: $(STAMP)
+# The editable install compiles asyncrpc/_compiled.py's COMPILED_MODULES with mypyc
+# (setup.py; docs/compiled.md), or warns and stays pure Python without a C compiler.
+# $(BUILT) recompiles them in place when their sources change.
+COMPILED_SRC := asyncrpc/wire/codec.py
+BUILT := $(VENV)/.compiled
 
-$(STAMP): pyproject.toml
+install: $(STAMP) $(BUILT)
+
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev,examples]"
 	touch $(STAMP)
 
+$(BUILT): $(STAMP) asyncrpc/_compiled.py $(COMPILED_SRC)
+	$(PY) setup.py -q build_ext --inplace
+	touch $(BUILT)
+
 test: install
 	$(PY) -m pytest -q
+
+# The unit tests with the compiled modules switched off (ASYNCRPC_PURE_PYTHON=1): the
+# Python source of every compiled module stays tested (CI runs both).
+test-pure: install
+	ASYNCRPC_PURE_PYTHON=1 $(PY) -m pytest -q tests/unit
 
 # torch's own RPC test suites against asyncrpc.compat, every in-scope test (docs/compat.md);
 # `make test` runs a quick subset of them.
@@ -43,12 +58,13 @@ soak: install
 
 # Mutation testing over the unit tests (docs/testing.md); CPU-heavy, not part of `make test`.
 # What is mutated: only_mutate under [tool.mutmut] in pyproject.toml (add a module there).
+# Mutants live in the Python source, so the compiled modules are switched off.
 # MUTANTS narrows a run to some mutant names, e.g. MUTANTS='asyncrpc.wire.*'.  Results are
 # kept in mutants/ and reused by the next run; `rm -rf mutants` starts afresh.
 MUTANTS ?=
 MUTATE_JOBS ?= 2
 mutate: install
-	nice -n 15 $(VENV)/bin/mutmut run --max-children $(MUTATE_JOBS) $(MUTANTS)
+	ASYNCRPC_PURE_PYTHON=1 nice -n 15 $(VENV)/bin/mutmut run --max-children $(MUTATE_JOBS) $(MUTANTS)
 	$(VENV)/bin/mutmut results
 	$(VENV)/bin/mutmut results --all true | awk -F': ' '\
 	  { sub(/^ +/, "", $$1); split($$1, name, "."); pkg = name[1] "." name[2] } \
@@ -65,4 +81,5 @@ typecheck: install
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache mutants
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache mutants build
+	find asyncrpc -name '*.so' -delete

@@ -13,6 +13,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from asyncrpc import _compiled
+
+_compiled.install()  # before any compiled module loads: ASYNCRPC_PURE_PYTHON, stale builds
+
 if TYPE_CHECKING:
     from asyncrpc import autograd, functions, nn, optim
     from asyncrpc.agent import WorkerInfo

@@ -1,0 +1,55 @@
+"""Which path runs the per-message modules: compiled (mypyc) or pure Python (docs/compiled.md).
+
+`make install` compiles asyncrpc._compiled.COMPILED_MODULES where it can; the header of a
+pytest run says which path is active (tests/conftest.py).  ``ASYNCRPC_PURE_PYTHON=1``
+forces the Python source, and ``ASYNCRPC_EXPECT_COMPILED=1`` makes a run fail unless
+every module is compiled (for a job that must test the extension).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from asyncrpc import _compiled
+
+
+def _active_in_subprocess(**env: str) -> dict[str, bool]:
+    code = "import json, asyncrpc._compiled as c; print(json.dumps(c.active()))"
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env={**os.environ, **env},
+    )
+    active: dict[str, bool] = json.loads(result.stdout)
+    return active
+
+
+def test_the_active_path_is_the_one_asked_for(record_property: pytest.RecordProperty) -> None:
+    active = _compiled.active()
+    record_property("compiled", json.dumps(active))
+    assert set(active) == set(_compiled.COMPILED_MODULES)
+    if _compiled.pure_python_requested():
+        assert not any(active.values()), active
+    if os.environ.get("ASYNCRPC_EXPECT_COMPILED", "") not in ("", "0"):
+        assert all(active.values()), f"expected every module compiled: {active}"
+
+
+def test_pure_python_env_loads_every_module_from_source() -> None:
+    active = _active_in_subprocess(ASYNCRPC_PURE_PYTHON="1")
+    assert active == dict.fromkeys(_compiled.COMPILED_MODULES, False)
+
+
+def test_zero_means_no_override() -> None:
+    forced = _active_in_subprocess(ASYNCRPC_PURE_PYTHON="1")
+    default = _active_in_subprocess(ASYNCRPC_PURE_PYTHON="0")
+    assert set(default) == set(forced)
+    if not _compiled.pure_python_requested():
+        assert default == _compiled.active()
