@@ -570,17 +570,13 @@ async def test_a_dropped_connection_is_logged_with_the_link_and_the_violation(
 
 @pytest.mark.parametrize("kind", [Kind.RELEASE, Kind.UNMAP])
 async def test_segment_bookkeeping_without_keys_is_a_no_op_and_the_link_stays(
-    kind: Kind,
+    kind: Kind, pool: HeldCopies
 ) -> None:
-    pool = SegmentPool()
-    try:
-        dialer, listener = await connected(segments=pool)
-        feed(listener, b"".join(encode_frame(kind, {})))
-        dialer.send(1)
-        await exchange(dialer, listener, lambda: len(listener.owner.frames) == 1)
-        assert not listener.link.closed and listener.owner.lost == []
-    finally:
-        pool.close()
+    dialer, listener = await connected(segments=pool)
+    feed(listener, b"".join(encode_frame(kind, {})))
+    dialer.send(1)
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 1)
+    assert not listener.link.closed and listener.owner.lost == []
 
 
 async def test_end_of_stream_is_a_lost_peer_reported_once() -> None:
