@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -27,9 +28,18 @@ from asyncrpc.errors import (
     RemoteProtocolError,
 )
 from asyncrpc.transport.flow import COALESCE_WITHIN, FLUSH_PARTS
-from asyncrpc.transport.link import FRAMES_PER_TURN, Link
+from asyncrpc.transport.link import FRAMES_PER_TURN, INLINE_COPY_MAX, Link
 from asyncrpc.transport.shm import SHM_THRESHOLD, Segment, SegmentPool, fill_all
-from asyncrpc.wire import ExternalRef, Frame, Handshake, Identity, Kind, Role, encode_frame
+from asyncrpc.wire import (
+    Allocator,
+    ExternalRef,
+    Frame,
+    Handshake,
+    Identity,
+    Kind,
+    Role,
+    encode_frame,
+)
 from asyncrpc.wire.codec import (
     DEFAULT_MAX_FRAME_SIZE,
     MAGIC,
@@ -95,26 +105,31 @@ class FakeTransport:
 
 
 class Recorder:
-    """The Link's owner: records what it is told."""
+    """The Link's owner: records what it is told (``about``: the link each report named)."""
 
     def __init__(self) -> None:
         self.established = 0
         self.frames: list[Frame] = []
         self.sent = 0
         self.lost: list[BaseException] = []
+        self.about: list[Link] = []
         self.on_frame: Callable[[Link, Frame], None] = lambda link, frame: None
 
     def link_established(self, link: Link) -> None:
+        self.about.append(link)
         self.established += 1
 
     def frame_received(self, link: Link, frame: Frame) -> None:
+        self.about.append(link)
         self.frames.append(frame)
         self.on_frame(link, frame)
 
     def frames_sent(self, link: Link) -> None:
+        self.about.append(link)
         self.sent += 1
 
     def link_lost(self, link: Link, exc: BaseException) -> None:
+        self.about.append(link)
         self.lost.append(exc)
 
 
@@ -151,22 +166,29 @@ def end(
     clock: Callable[[], float] | None = None,
     handshake_timeout: float = 10.0,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    allocate: Allocator = allocate_bytearray,
+    max_mapped_bytes: int | None = None,
+    connect: bool = True,
 ) -> End:
-    """A connected Link (``connection_made`` done: a dialer has written its HELLO)."""
+    """A connected Link (``connection_made`` done: a dialer has written its HELLO,
+    unless not ``connect``)."""
     owner = Recorder()
     identity = Identity(name, 0, os.getpid(), host)
     handshake = Handshake(role, secret, identity, max_frame_size=max_frame_size)
     extra: dict[str, Any] = {} if clock is None else {"clock": clock}
+    if max_mapped_bytes is not None:
+        extra["max_mapped_bytes"] = max_mapped_bytes
     link = Link(
         owner,
         handshake,
-        allocate=allocate_bytearray,
+        allocate=allocate,
         segments=segments,
         handshake_timeout=handshake_timeout,
         **extra,
     )
     transport = FakeTransport(link)
-    link.connection_made(transport)  # type: ignore[arg-type]
+    if connect:
+        link.connection_made(transport)  # type: ignore[arg-type]
     return End(link, transport, owner)
 
 
@@ -278,6 +300,62 @@ async def test_a_reply_goes_back_on_the_same_link() -> None:
     assert dialer.owner.frames[0].kind == Kind.RESPONSE and dialer.received() == [7]
 
 
+async def test_every_report_to_the_owner_names_its_link() -> None:
+    dialer, listener = await connected()
+    dialer.send(1)
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 1)
+    listener.link.connection_lost(None)
+    owner = listener.owner
+    assert owner.established == len(owner.frames) == len(owner.lost) == 1 and owner.sent > 0
+    assert len(owner.about) == 3 + owner.sent
+    assert all(link is listener.link for link in owner.about)
+    assert dialer.owner.about and all(link is dialer.link for link in dialer.owner.about)
+
+
+async def test_a_link_is_named_by_its_role_and_its_peer_once_known() -> None:
+    dialer = end(Role.DIALER, "dialer")
+    listener = end(Role.LISTENER, "listener")
+    assert (repr(dialer.link), repr(listener.link)) == (
+        "<Link dialer peer=?>",
+        "<Link listener peer=?>",
+    )
+    await exchange(
+        dialer, listener, lambda: dialer.link.ready.done() and listener.link.ready.done()
+    )
+    assert (repr(dialer.link), repr(listener.link)) == (
+        "<Link dialer peer=listener>",
+        "<Link listener peer=dialer>",
+    )
+
+
+async def test_large_bodies_are_received_into_the_owners_storage() -> None:
+    asked: list[int] = []
+
+    def allocate(nbytes: int) -> tuple[Any, memoryview]:
+        asked.append(nbytes)
+        return allocate_bytearray(nbytes)
+
+    dialer = end(Role.DIALER, "dialer")
+    listener = end(Role.LISTENER, "listener", allocate=allocate)
+    await exchange(
+        dialer, listener, lambda: dialer.link.ready.done() and listener.link.ready.done()
+    )
+    big = memoryview(bytes(range(256)) * 1000)
+    dialer.send(1, b"", (big,))
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 1)
+    assert bytes(listener.owner.frames[0].buffers[0]) == bytes(big)
+    assert big.nbytes in asked
+
+
+async def test_closing_says_whether_close_was_called_or_the_link_lost() -> None:
+    dialer, listener = await connected()
+    assert not dialer.link.closing and not listener.link.closing
+    dialer.link.close()
+    assert dialer.link.closing and not dialer.link.closed
+    listener.link.connection_lost(None)
+    assert listener.link.closing and listener.link.closed
+
+
 # -- every protocol error closes the link, reported once with its cause ----------------
 
 
@@ -364,6 +442,55 @@ async def test_a_message_above_the_peers_limit_fails_alone_and_the_link_stays() 
     assert listener.received() == [2] and not dialer.link.closed
 
 
+TOO_LARGE = {
+    Kind.REQUEST: "call to f on worker 'listener'",
+    Kind.RESPONSE: "reply of f from worker 'dialer' to worker 'listener'",
+    Kind.ERROR: "reply of f from worker 'dialer' to worker 'listener'",
+    Kind.NOTICE: "NOTICE message to worker 'listener'",
+}
+
+
+@pytest.mark.parametrize("kind", list(TOO_LARGE))
+async def test_too_large_a_message_is_refused_naming_its_call_the_workers_and_limits(
+    kind: Kind,
+) -> None:
+    dialer = end(Role.DIALER, "dialer", max_frame_size=2000)
+    listener = end(Role.LISTENER, "listener", max_frame_size=1000)
+    await exchange(
+        dialer, listener, lambda: dialer.link.ready.done() and listener.link.ready.done()
+    )
+    for refuse in (dialer.link.send, dialer.link.encode):
+        with pytest.raises(LocalProtocolError) as raised:
+            refuse(kind, {"i": 1}, b"x" * 1000, [memoryview(b"y")], function="f")
+        assert str(raised.value) == (
+            f"{TOO_LARGE[kind]} carries 1001 bytes, more than max_frame_size allows "
+            "(worker 'listener' accepts 1000, worker 'dialer' accepts 2000 bytes)"
+        )
+        assert raised.value.details == {"nbytes": 1001, "worker": "listener", "function": "f"}
+
+
+async def test_too_large_a_message_before_the_handshake_names_an_unknown_peer() -> None:
+    dialer = end(Role.DIALER, "dialer", max_frame_size=10)
+    with pytest.raises(LocalProtocolError) as raised:
+        dialer.link.send(Kind.NOTICE, {}, b"x" * 11)
+    assert str(raised.value) == (
+        "NOTICE message to worker '?' carries 11 bytes, more than max_frame_size allows "
+        "(worker 'dialer' accepts 10 bytes)"
+    )
+    assert raised.value.details == {"nbytes": 11, "worker": "?", "function": "?"}
+
+
+async def test_a_call_without_a_function_name_is_refused_as_a_call_to_question_mark() -> None:
+    dialer = end(Role.DIALER, "dialer")
+    listener = end(Role.LISTENER, "listener", max_frame_size=10)
+    await exchange(
+        dialer, listener, lambda: dialer.link.ready.done() and listener.link.ready.done()
+    )
+    for refuse in (dialer.link.send, dialer.link.encode):
+        with pytest.raises(LocalProtocolError, match=r"^call to \? on worker 'listener' "):
+            refuse(Kind.REQUEST, {"i": 1}, b"x" * 11)
+
+
 ESTABLISHED_VIOLATIONS = {
     "garbage": (b"\x00" * 64, RemoteProtocolError, "bad frame prelude"),
     "a handshake message again": (
@@ -409,7 +536,9 @@ async def test_a_bad_frame_after_the_handshake_drops_the_link(bad: str) -> None:
     assert listener.owner.established == 1
 
 
-async def test_an_owner_that_raises_drops_the_link_with_its_error() -> None:
+async def test_an_owner_that_raises_drops_the_link_with_its_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     dialer, listener = await connected()
 
     def fail(link: Link, frame: Frame) -> None:
@@ -421,12 +550,40 @@ async def test_an_owner_that_raises_drops_the_link_with_its_error() -> None:
     await exchange(dialer, listener, lambda: listener.link.closed)
     await assert_dropped(listener, ValueError, "owner bug", dialer)
     assert listener.received() == [1]
+    (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert record.getMessage() == (
+        "internal error handling a frame on <Link listener peer=dialer>; dropping the link"
+    )
+    assert record.exc_info is not None and record.exc_info[1] is listener.owner.lost[0]
+
+
+async def test_a_dropped_connection_is_logged_with_the_link_and_the_violation(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    listener = end(Role.LISTENER, "listener")
+    feed(listener, b"".join(encode_frame(Kind.REQUEST, {"i": 1})))
+    cause = await assert_dropped(listener, RemoteProtocolError, "REQUEST frame not allowed")
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"dropping connection <Link listener peer=?>: {cause}"
+    ]
+
+
+@pytest.mark.parametrize("kind", [Kind.RELEASE, Kind.UNMAP])
+async def test_segment_bookkeeping_without_keys_is_a_no_op_and_the_link_stays(
+    kind: Kind, pool: HeldCopies
+) -> None:
+    dialer, listener = await connected(segments=pool)
+    feed(listener, b"".join(encode_frame(kind, {})))
+    dialer.send(1)
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 1)
+    assert not listener.link.closed and listener.owner.lost == []
 
 
 async def test_end_of_stream_is_a_lost_peer_reported_once() -> None:
     _dialer, listener = await connected()
     assert listener.link.eof_received() is False
-    await assert_dropped(listener, PeerLostError, "worker 'dialer': closed the connection")
+    cause = await assert_dropped(listener, PeerLostError, "worker 'dialer': closed the connection")
+    assert cause.details == {"worker": "dialer"}
 
 
 async def test_connection_lost_is_reported_once_with_its_cause() -> None:
@@ -437,14 +594,37 @@ async def test_connection_lost_is_reported_once_with_its_cause() -> None:
     assert listener.link.closed and len(listener.owner.lost) == 1
     (error,) = listener.owner.lost
     assert isinstance(error, PeerLostError) and error.__cause__ is cause
-    assert "dialer" in str(error)
+    assert str(error) == "worker 'dialer': connection lost (reset by peer)"
+    assert error.details == {"worker": "dialer"}
+
+
+async def test_a_connection_lost_without_a_cause_or_before_the_handshake_says_so() -> None:
+    listener = end(Role.LISTENER, "listener")
+    listener.link.connection_lost(None)
+    (error,) = listener.owner.lost
+    assert isinstance(error, PeerLostError) and error.__cause__ is None
+    assert str(error) == "worker 'an unidentified peer': connection lost (closed)"
+    assert error.details == {"worker": "an unidentified peer"}
+    assert listener.link.ready.exception() is error
 
 
 async def test_a_handshake_that_never_completes_times_out() -> None:
     listener = end(Role.LISTENER, "listener", handshake_timeout=0.01)
     with pytest.raises(HandshakeError, match="not completed in time"):
         await asyncio.wait_for(asyncio.shield(listener.link.ready), 5)
-    await assert_dropped(listener, HandshakeError, "not completed in time")
+    cause = await assert_dropped(listener, HandshakeError, "not completed in time")
+    assert str(cause) == "<Link listener peer=?>: handshake not completed in time"
+    assert cause.details == {"timed_out": True}
+
+
+async def test_a_link_whose_connection_never_came_times_out_alone() -> None:
+    listener = end(Role.LISTENER, "listener", handshake_timeout=0.01, connect=False)
+    listener.link.close()  # nothing to close yet
+    assert listener.link.closing and not listener.link.closed
+    with pytest.raises(HandshakeError, match="not completed in time"):
+        await asyncio.wait_for(asyncio.shield(listener.link.ready), 5)
+    assert listener.link.closed and len(listener.owner.lost) == 1
+    assert listener.transport.calls == []  # it never had one to abort
 
 
 async def test_nothing_is_handed_up_or_written_after_the_link_is_lost() -> None:
@@ -525,6 +705,19 @@ async def test_a_message_after_a_pause_in_the_turn_leaves_at_once() -> None:
     assert listener.received() == [1, 2, 3]
 
 
+async def test_the_first_message_of_a_later_turn_leaves_at_once() -> None:
+    clock = Clock()  # stands still: only the turn's end separates the two
+    dialer, listener = await connected(clock=clock)
+    await settle(dialer, listener)
+    writes = len(dialer.transport.writes)
+    dialer.send(1)
+    await next_turn()
+    dialer.send(2)
+    assert len(dialer.transport.writes) == writes + 2
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 2)
+    assert listener.received() == [1, 2]
+
+
 async def test_every_message_sent_is_counted_for_the_owner() -> None:
     dialer, _listener = await connected()
     sent = dialer.owner.sent
@@ -599,17 +792,80 @@ async def test_resuming_after_catch_up_does_not_tell_the_transport_twice() -> No
     assert listener.transport.calls == ["pause_reading", "resume_reading"]
 
 
+# -- over real sockets ------------------------------------------------------------------
+
+
+SocketEnd = tuple[Link, Recorder, asyncio.Transport]
+
+
+async def handshake_over(a: socket.socket, b: socket.socket) -> list[SocketEnd]:
+    """Two Links on a connected socket pair, handshake done; each with its owner and
+    the event loop's transport."""
+    loop = asyncio.get_running_loop()
+    ends: list[SocketEnd] = []
+    for sock, role, name in ((a, Role.DIALER, "dialer"), (b, Role.LISTENER, "listener")):
+        owner = Recorder()
+        handshake = Handshake(role, SECRET, Identity(name, 0, os.getpid(), "host-a"))
+        transport, link = await loop.connect_accepted_socket(
+            lambda: Link(owner, handshake, allocate=allocate_bytearray),
+            sock,
+        )
+        ends.append((link, owner, cast(asyncio.Transport, transport)))
+    await asyncio.wait_for(asyncio.gather(*(link.ready for link, _, _ in ends)), 5)
+    return ends
+
+
+async def send_one_and_close(ends: list[SocketEnd]) -> None:
+    """A message one way, then both closed (each reports its loss)."""
+    (dialer, _, _), (_, listener_owner, _) = ends
+    dialer.send(Kind.NOTICE, {"i": 1}, b"over a socket")
+    for _ in range(100):
+        if listener_owner.frames:
+            break
+        await asyncio.sleep(0.01)
+    assert bytes(listener_owner.frames[0].payload) == b"over a socket"
+    for link, _, _ in ends:
+        link.close()
+    for _ in range(100):
+        if all(owner.lost for _, owner, _ in ends):
+            return
+        await next_turn()
+    raise AssertionError("not closed in 100 loop turns")
+
+
+async def test_a_tcp_link_turns_nagle_off_and_buffers_up_to_4_mib() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        accepted, _ = server.accept()
+    assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0
+    ends = await handshake_over(client, accepted)
+    for _, _, transport in ends:
+        sock = transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        assert transport.get_write_buffer_limits() == (1 << 20, 4 << 20)
+    await send_one_and_close(ends)
+
+
+async def test_a_link_over_a_unix_socket_sets_no_tcp_option() -> None:
+    ends = await handshake_over(*socket.socketpair(socket.AF_UNIX))
+    await send_one_and_close(ends)
+
+
 # -- messages behind shared-memory copies ----------------------------------------------
 
 
 class HeldCopies(SegmentPool):
-    """A segment pool whose copies wait for the test (``finish``)."""
+    """A segment pool whose copies wait for the test (``finish``, ``cancel``); while
+    ``refuse`` is set, its copiers take no job (``fill_later`` raises it)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
         self.held: list[tuple[list[tuple[Segment, memoryview]], Future[None]]] = []
+        self.refuse: BaseException | None = None
 
     def fill_later(self, fills: list[tuple[Segment, memoryview]]) -> Future[None]:
+        if self.refuse is not None:
+            raise self.refuse
         job: Future[None] = Future()
         self.held.append((fills, job))
         return job
@@ -621,6 +877,9 @@ class HeldCopies(SegmentPool):
             job.set_result(None)
         else:
             job.set_exception(error)
+
+    def cancel(self, index: int) -> None:
+        assert self.held[index][1].cancel()
 
 
 @pytest.fixture
@@ -663,7 +922,9 @@ async def test_messages_behind_a_shared_memory_copy_leave_in_order(pool: HeldCop
 
 
 @shared_memory
-async def test_a_failed_copy_sends_its_message_inline_in_its_place(pool: HeldCopies) -> None:
+async def test_a_failed_copy_sends_its_message_inline_in_its_place(
+    pool: HeldCopies, caplog: pytest.LogCaptureFixture
+) -> None:
     dialer, listener = await connected(segments=pool)
     dialer.send(1, b"", (large(1),))
     dialer.send(2)
@@ -672,6 +933,214 @@ async def test_a_failed_copy_sends_its_message_inline_in_its_place(pool: HeldCop
     assert listener.received() == [1, 2]
     assert bytes(listener.owner.frames[0].buffers[0]) == bytes(large(1))
     assert listener.owner.lost == []
+    assert_fell_back(pool, caplog, "OSError('copy failed')")
+
+
+def assert_fell_back(pool: SegmentPool, caplog: pytest.LogCaptureFixture, error: str) -> None:
+    """One segment's copy failed: the segment is closed (not reused), the fallback
+    counted and logged with the link and the error."""
+    stats = pool.stats
+    assert (stats["segments_in_use"], stats["segments_idle"]) == (0, 0)
+    assert (stats["fallbacks"], stats["fallback_bytes"]) == (1, SHM_THRESHOLD)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"<Link dialer peer=listener>: copy into shared memory failed ({error}); using the socket"
+    ]
+
+
+@shared_memory
+async def test_a_cancelled_copy_sends_its_message_inline_in_its_place(
+    pool: HeldCopies, caplog: pytest.LogCaptureFixture
+) -> None:
+    dialer, listener = await connected(segments=pool)
+    dialer.send(1, b"", (large(1),))
+    dialer.send(2)
+    pool.cancel(0)
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 2)
+    assert listener.received() == [1, 2]
+    assert bytes(listener.owner.frames[0].buffers[0]) == bytes(large(1))
+    assert_fell_back(pool, caplog, "CancelledError()")
+
+
+async def warm_segment(dialer: End, listener: End, pool: HeldCopies, nbytes: int) -> None:
+    """Send ``nbytes`` through a segment and let the receiver drop them: the segment
+    is idle again, its pages faulted in."""
+    dialer.send(0, b"", (memoryview(bytes(nbytes)),))
+    pool.finish(len(pool.held) - 1)
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 1)
+    listener.owner.frames.clear()
+    await exchange(dialer, listener, lambda: pool.stats["segments_idle"] == 1)
+
+
+@shared_memory
+async def test_a_copy_of_up_to_4_mib_into_a_warm_segment_happens_on_the_loop(
+    pool: HeldCopies,
+) -> None:
+    dialer, listener = await connected(segments=pool)
+    await warm_segment(dialer, listener, pool, INLINE_COPY_MAX)
+    writes = len(dialer.transport.writes)
+    data = memoryview(bytes([5]) * INLINE_COPY_MAX)
+    dialer.send(1, b"", (data,))
+    assert len(pool.held) == 1  # no copier thread: copied and written at once
+    assert len(dialer.transport.writes) == writes + 1
+    assert pool.stats["segments_in_use"] == 1
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 1)
+    assert bytes(listener.owner.frames[0].buffers[0]) == bytes(data)
+    assert sum(len(w) for w in dialer.transport.writes[writes:]) < SHM_THRESHOLD
+
+
+@shared_memory
+async def test_a_copy_above_4_mib_or_into_a_cold_segment_goes_to_a_copier(
+    pool: HeldCopies,
+) -> None:
+    dialer, listener = await connected(segments=pool)
+    await warm_segment(dialer, listener, pool, INLINE_COPY_MAX)
+    dialer.send(1, b"", (memoryview(bytes(INLINE_COPY_MAX + 1)),))  # above: a new segment
+    assert len(pool.held) == 2
+    dialer.send(2, b"", (memoryview(bytes(INLINE_COPY_MAX)),))  # the warm one
+    assert len(pool.held) == 2  # copied on the loop, but waits its turn
+    pool.finish(1)
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 2)
+    assert listener.received() == [1, 2]
+
+
+@shared_memory
+async def test_a_copy_that_fails_on_the_loop_sends_its_message_inline(
+    pool: HeldCopies, caplog: pytest.LogCaptureFixture
+) -> None:
+    dialer, listener = await connected(segments=pool)
+    await warm_segment(dialer, listener, pool, SHM_THRESHOLD)
+    caplog.clear()
+    # every other byte: a view the copy cannot read (not C-contiguous)
+    strided = memoryview(bytearray(bytes(range(256)) * (SHM_THRESHOLD // 128)))[::2]
+    assert strided.nbytes == SHM_THRESHOLD and not strided.contiguous
+    dialer.send(1, b"", (strided,))
+    assert len(pool.held) == 1  # tried on the loop (a warm segment)
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 1)
+    assert bytes(listener.owner.frames[0].buffers[0]) == bytes(strided)
+    assert_fell_back(pool, caplog, "TypeError('underlying buffer is not C contiguous')")
+
+
+@shared_memory
+async def test_a_buffer_the_budget_has_no_room_for_goes_inline_at_once() -> None:
+    pool = HeldCopies(budget=SHM_THRESHOLD)
+    try:
+        dialer, listener = await connected(segments=pool)
+        dialer.send(1, b"", (large(1),))  # the budget's only segment, filling
+        dialer.send(2, b"", (large(2),))  # no room left: inline, behind the first
+        assert len(pool.held) == 1 and pool.stats["fallbacks"] == 1
+        pool.finish(0)
+        await exchange(dialer, listener, lambda: len(listener.owner.frames) == 2)
+        assert [bytes(f.buffers[0]) for f in listener.owner.frames] == [
+            bytes(large(1)),
+            bytes(large(2)),
+        ]
+        writes = len(dialer.transport.writes)
+        dialer.send(3, b"", (large(3),))  # nothing queued: leaves at once
+        assert len(dialer.transport.writes) == writes + 1
+        assert sum(len(w) for w in dialer.transport.writes[writes:]) > SHM_THRESHOLD
+    finally:
+        pool.close()
+
+
+@shared_memory
+async def test_only_buffers_of_the_threshold_or_more_go_through_segments(
+    pool: HeldCopies,
+) -> None:
+    dialer, listener = await connected(segments=pool)
+    small = memoryview(bytes(SHM_THRESHOLD - 1))
+    dialer.send(1, b"", (small, large(1), small))
+    assert pool.stats["segments_in_use"] == 1
+    pool.finish(0)
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 1)
+    received = [bytes(b) for b in listener.owner.frames[0].buffers]
+    assert received == [bytes(small), bytes(large(1)), bytes(small)]
+
+
+@shared_memory
+async def test_a_message_that_cannot_be_encoded_gives_its_segments_back(
+    pool: HeldCopies,
+) -> None:
+    dialer, _listener = await connected(segments=pool)
+    for refuse in (dialer.link.send, dialer.link.encode):
+        with pytest.raises(TypeError):
+            refuse(Kind.NOTICE, {"i": object()}, b"", [large(1), large(2)])
+        assert pool.stats["segments_in_use"] == 0
+    assert pool.held == [] and not dialer.link.closed
+
+
+@shared_memory
+async def test_a_copy_the_copiers_refuse_fails_the_send_and_gives_its_segment_back(
+    pool: HeldCopies,
+) -> None:
+    dialer, listener = await connected(segments=pool)
+    pool.refuse = RuntimeError("copiers shut down")
+    with pytest.raises(RuntimeError, match="copiers shut down"):
+        dialer.send(1, b"", (large(1),))
+    assert pool.stats["segments_in_use"] == 0
+    pool.refuse = None
+    dialer.send(2)
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 1)
+    assert listener.received() == [2]
+
+
+@shared_memory
+async def test_a_lost_link_closes_the_segments_its_peer_still_uses(pool: HeldCopies) -> None:
+    dialer, listener = await connected(segments=pool)
+    dialer.send(1, b"", (large(1),))
+    pool.finish(0)
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 1)
+    assert pool.stats["segments_in_use"] == 1
+    dialer.link.connection_lost(None)
+    assert (pool.stats["segments_in_use"], pool.stats["segments_idle"]) == (0, 0)
+
+
+@shared_memory
+async def test_segments_the_sender_closes_are_unmapped_by_the_receiver() -> None:
+    pool = HeldCopies(max_idle_bytes=0, idle_grace=0.0)  # idle segments close, but the newest
+    try:
+        dialer, listener = await connected(segments=pool)
+        dialer.send(1, b"", (large(1),))
+        dialer.send(2, b"", (large(2),))
+        pool.finish(0)
+        pool.finish(1)
+        await exchange(dialer, listener, lambda: len(listener.owner.frames) == 2)
+        assert listener.link.mapped_bytes == 2 * SHM_THRESHOLD
+        listener.owner.frames.clear()  # both released: the older one closes (UNMAP)
+        await exchange(dialer, listener, lambda: listener.link.mapped_bytes == SHM_THRESHOLD)
+        assert pool.stats["segments_idle"] == 1
+        assert not listener.link.closed and not dialer.link.closed
+    finally:
+        pool.close()
+
+
+@shared_memory
+async def test_the_receiver_keeps_at_most_max_mapped_bytes_of_mappings(pool: HeldCopies) -> None:
+    dialer = end(Role.DIALER, "dialer", segments=pool)
+    listener = end(Role.LISTENER, "listener", segments=pool, max_mapped_bytes=SHM_THRESHOLD)
+    await exchange(
+        dialer, listener, lambda: dialer.link.ready.done() and listener.link.ready.done()
+    )
+    for i in range(3):
+        dialer.send(i, b"", (large(i),))
+        pool.finish(i)
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 3)
+    assert listener.link.mapped_bytes == SHM_THRESHOLD  # the newest only
+    assert [bytes(f.buffers[0]) for f in listener.owner.frames] == [
+        bytes(large(i)) for i in range(3)
+    ]
+
+
+def test_a_segment_released_after_the_loop_closed_is_not_an_error() -> None:
+    """A tensor on a peer's segment may outlive the worker's event loop."""
+
+    async def make() -> End:
+        return end(Role.DIALER, "dialer")
+
+    loop = asyncio.new_event_loop()
+    dialer = loop.run_until_complete(make())
+    loop.close()
+    dialer.link.segment_released(1)
+    dialer.link.segments_closed([2, 3])
 
 
 @shared_memory
@@ -761,6 +1230,15 @@ async def test_encode_sends_large_buffers_inline_to_another_host(pool: HeldCopie
     dialer.link.write(parts)
     await exchange(dialer, listener, lambda: len(listener.owner.frames) == 1)
     assert bytes(listener.owner.frames[0].buffers[0]) == bytes(large(8))
+
+
+@shared_memory
+async def test_encode_without_a_payload_sends_an_empty_one(pool: HeldCopies) -> None:
+    dialer, listener = await connected(segments=pool)
+    dialer.link.write(dialer.link.encode(Kind.NOTICE, {"i": 1}))
+    dialer.link.write(dialer.link.encode(Kind.NOTICE, {"i": 2}, buffers=[large(2)]))
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 2)
+    assert [bytes(f.payload) for f in listener.owner.frames] == [b"", b""]
 
 
 @shared_memory
