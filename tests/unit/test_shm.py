@@ -12,7 +12,8 @@ import random
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -105,6 +106,51 @@ def test_put_copies_the_data(pool: SegmentPool) -> None:
     assert len(memory) == ref.nbytes
     assert memory[:] == expected
     assert counts(pool) == (1, 0, 0)
+
+
+def until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Wait (bounded) for another thread to make ``condition()`` true."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(0.001)
+
+
+def test_fill_later_copies_on_a_copier_thread_and_counts_copies_in_flight(
+    pool: SegmentPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = threading.Event()
+    copied_on: list[str] = []
+
+    def held_fill_all(fills: list[tuple[shm.Segment, memoryview]]) -> None:
+        copied_on.append(threading.current_thread().name)
+        assert gate.wait(10)
+        fill_all(fills)
+
+    monkeypatch.setattr(shm, "fill_all", held_fill_all)
+    source = data(2 * MiB, 4)
+    segment = pool.lend(len(source), LINK)
+    assert segment is not None
+    job = pool.fill_later([(segment, memoryview(source))])
+    assert pool.copying == 1
+    gate.set()
+    job.result(timeout=10)
+    until(lambda: pool.copying == 0, "the copy counted as done")
+    assert copied_on and copied_on[0].startswith("asyncrpc-shm-copy")
+    view = SegmentMapper(os.getpid()).view(segment.ref(len(source)), Releases())
+    assert view[:] == source
+
+
+def test_a_failed_fill_later_is_the_jobs_error_and_no_copy_stays_counted(
+    pool: SegmentPool,
+) -> None:
+    segment = pool.lend(2 * MiB, LINK)
+    assert segment is not None
+    segment.close()
+    job = pool.fill_later([(segment, memoryview(data(2 * MiB, 5)))])
+    with pytest.raises(OSError, match="closed"):
+        job.result(timeout=10)
+    until(lambda: pool.copying == 0, "the failed copy counted as done")
 
 
 def test_segment_fd_is_a_named_memfd(pool: SegmentPool) -> None:
