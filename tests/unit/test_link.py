@@ -922,18 +922,29 @@ async def test_messages_behind_a_shared_memory_copy_leave_in_order(pool: HeldCop
 
 
 @shared_memory
-async def test_a_failed_copy_sends_its_message_inline_in_its_place(
-    pool: HeldCopies, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    ("ending", "error"),
+    [
+        (lambda pool: pool.finish(0, OSError("copy failed")), "OSError('copy failed')"),
+        (lambda pool: pool.cancel(0), "CancelledError()"),
+    ],
+    ids=["failed", "cancelled"],
+)
+async def test_a_copy_that_does_not_finish_sends_its_message_inline_in_its_place(
+    pool: HeldCopies,
+    caplog: pytest.LogCaptureFixture,
+    ending: Callable[[HeldCopies], None],
+    error: str,
 ) -> None:
     dialer, listener = await connected(segments=pool)
     dialer.send(1, b"", (large(1),))
     dialer.send(2)
-    pool.finish(0, OSError("copy failed"))
+    ending(pool)
     await exchange(dialer, listener, lambda: len(listener.owner.frames) == 2)
     assert listener.received() == [1, 2]
     assert bytes(listener.owner.frames[0].buffers[0]) == bytes(large(1))
     assert listener.owner.lost == []
-    assert_fell_back(pool, caplog, "OSError('copy failed')")
+    assert_fell_back(pool, caplog, error)
 
 
 def assert_fell_back(pool: SegmentPool, caplog: pytest.LogCaptureFixture, error: str) -> None:
@@ -945,20 +956,6 @@ def assert_fell_back(pool: SegmentPool, caplog: pytest.LogCaptureFixture, error:
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
         f"<Link dialer peer=listener>: copy into shared memory failed ({error}); using the socket"
     ]
-
-
-@shared_memory
-async def test_a_cancelled_copy_sends_its_message_inline_in_its_place(
-    pool: HeldCopies, caplog: pytest.LogCaptureFixture
-) -> None:
-    dialer, listener = await connected(segments=pool)
-    dialer.send(1, b"", (large(1),))
-    dialer.send(2)
-    pool.cancel(0)
-    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 2)
-    assert listener.received() == [1, 2]
-    assert bytes(listener.owner.frames[0].buffers[0]) == bytes(large(1))
-    assert_fell_back(pool, caplog, "CancelledError()")
 
 
 async def warm_segment(dialer: End, listener: End, pool: HeldCopies, nbytes: int) -> None:
