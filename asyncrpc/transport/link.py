@@ -48,7 +48,11 @@ paused the link (``pause_reading``), the transport reads no more
 
 Segment bookkeeping travels both ways: RELEASE tells the peer we no longer map
 its segments (our tensors on them died), UNMAP tells it that we closed
-segments it may still have mapped, so that its cache lets go of them.
+segments it may still have mapped, so that its cache lets go of them.  Their keys
+are batched per loop turn and jump the queue: they never wait behind a message
+whose segments are still being filled, and the next message written carries any
+that are pending ahead of itself (so a caller's next call follows the release of
+the tensor it just dropped, and the peer can reuse that segment for its reply).
 
 Any protocol violation or transport error closes the Link; ``link_lost`` is
 then called exactly once, with the cause, so the owner can fail every call
