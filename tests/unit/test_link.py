@@ -958,6 +958,14 @@ def assert_fell_back(pool: SegmentPool, caplog: pytest.LogCaptureFixture, error:
     ]
 
 
+async def delivered_through_segment(sender: End, receiver: End, pool: HeldCopies) -> None:
+    """``sender`` sends message 1 with a large buffer; its copy into a segment
+    finishes, and ``receiver`` has the message (and a view of the segment)."""
+    sender.send(1, b"", (large(1),))
+    pool.finish(len(pool.held) - 1)
+    await exchange(sender, receiver, lambda: len(receiver.owner.frames) == 1)
+
+
 async def warm_segment(dialer: End, listener: End, pool: HeldCopies, nbytes: int) -> None:
     """Send ``nbytes`` through a segment and let the receiver drop them: the segment
     is idle again, its pages faulted in."""
@@ -1083,9 +1091,7 @@ async def test_a_copy_the_copiers_refuse_fails_the_send_and_gives_its_segment_ba
 @shared_memory
 async def test_a_lost_link_closes_the_segments_its_peer_still_uses(pool: HeldCopies) -> None:
     dialer, listener = await connected(segments=pool)
-    dialer.send(1, b"", (large(1),))
-    pool.finish(0)
-    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 1)
+    await delivered_through_segment(dialer, listener, pool)
     assert pool.stats["segments_in_use"] == 1
     dialer.link.connection_lost(None)
     assert (pool.stats["segments_in_use"], pool.stats["segments_idle"]) == (0, 0)
@@ -1156,9 +1162,7 @@ async def test_close_waits_for_queued_messages(pool: HeldCopies) -> None:
 @shared_memory
 async def test_a_segment_the_receiver_lets_go_of_goes_back_to_the_pool(pool: HeldCopies) -> None:
     dialer, listener = await connected(segments=pool)
-    dialer.send(1, b"", (large(1),))
-    pool.finish(0)
-    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 1)
+    await delivered_through_segment(dialer, listener, pool)
     assert pool.stats["segments_in_use"] == 1
     listener.owner.frames.clear()  # the last view of the segment dies: RELEASE
     await exchange(dialer, listener, lambda: pool.stats["segments_in_use"] == 0)
@@ -1170,9 +1174,7 @@ async def test_a_release_leaves_ahead_of_a_message_still_waiting_for_its_copy(
     pool: HeldCopies,
 ) -> None:
     dialer, listener = await connected(segments=pool)
-    listener.send(1, b"", (large(1),))
-    pool.finish(0)
-    await exchange(dialer, listener, lambda: len(dialer.owner.frames) == 1)
+    await delivered_through_segment(listener, dialer, pool)
     dialer.send(2, b"", (large(2),))  # its copy is held: it waits
     dialer.owner.frames.clear()  # the view of the listener's segment dies: RELEASE
     await exchange(dialer, listener, lambda: pool.stats["segments_in_use"] == 1)
@@ -1186,9 +1188,7 @@ async def test_a_message_written_after_a_release_carries_it_first(pool: HeldCopi
     """A caller that drops a result and calls again at once: the release is in the
     very write of the call, ahead of it, so the peer can reuse that segment for it."""
     dialer, listener = await connected(segments=pool)
-    listener.send(1, b"", (large(1),))
-    pool.finish(0)
-    await exchange(dialer, listener, lambda: len(dialer.owner.frames) == 1)
+    await delivered_through_segment(listener, dialer, pool)
     writes = len(dialer.transport.writes)
     dialer.owner.frames.clear()  # RELEASE, from the loop thread
     dialer.send(2)
