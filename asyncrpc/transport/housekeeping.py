@@ -6,7 +6,11 @@ Theory of operation
 the pool, fed through a queue.  (``ThreadPoolExecutor`` starts its threads on
 the first submits, and starting a thread waits until it runs, on the event loop
 that submitted.)  A job's references go when it ends, so a tensor being copied
-lives no longer than its copy.
+lives no longer than its copy.  One large copy is cut in pieces that the thread
+that wants it done and the idle copiers take in turn (``share``): page faults
+and copies of a fresh segment run on every core (docs/architecture.md, "Copies
+off the loop").  The asking thread never waits for a piece nobody has taken, so
+a copier may share its own job without deadlock.
 
 Giving shared memory back is slow: the last unmap of a segment frees its pages
 (docs/architecture.md, "Copies off the loop", has the measurements).  So
@@ -104,6 +108,15 @@ class Copiers:
         self._jobs.put((future, job))
         return future
 
+    def share(self, pieces: list[Callable[[], object]]) -> None:
+        """Run every piece, here and on the copier threads that are free, and return
+        when all have run; raises the first piece's error after that."""
+        work = _SharedWork(pieces)
+        for _ in range(min(len(self._threads), len(pieces) - 1)):
+            self.submit(work.help)
+        work.help()
+        work.wait()
+
     def shutdown(self) -> None:
         """Let each thread finish the jobs before this and end (without waiting)."""
         for _ in self._threads:
@@ -112,6 +125,42 @@ class Copiers:
     def _run(self) -> None:
         while _run_job(self._jobs.get()):
             pass
+
+
+class _SharedWork:
+    """Pieces any thread may take, one at a time, until none is left."""
+
+    def __init__(self, pieces: list[Callable[[], object]]) -> None:
+        self._pieces = pieces[::-1]  # taken from the end: in order
+        self._running = 0
+        self._error: BaseException | None = None
+        self._done = threading.Condition()
+
+    def help(self) -> None:
+        """Take and run pieces until none is left to take."""
+        while True:
+            with self._done:
+                if not self._pieces:
+                    return
+                piece = self._pieces.pop()
+                self._running += 1
+            error = _call(piece)
+            del piece
+            with self._done:
+                self._running -= 1
+                if error is not None and self._error is None:
+                    self._error = error
+                self._done.notify_all()
+            del error
+
+    def wait(self) -> None:
+        """Until every piece taken has run; then raise the first error, if any."""
+        with self._done:
+            while self._running:
+                self._done.wait()
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
 
 
 def _run_job(item: tuple[Future[None], Callable[[], None]] | None) -> bool:
@@ -134,7 +183,7 @@ def _run_job(item: tuple[Future[None], Callable[[], None]] | None) -> bool:
     return True
 
 
-def _call(job: Callable[[], None]) -> BaseException | None:
+def _call(job: Callable[[], object]) -> BaseException | None:
     """``job()``, and what it raised."""
     try:
         job()

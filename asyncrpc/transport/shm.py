@@ -88,6 +88,8 @@ IDLE_GRACE: Final = 1.0
 GRANULE: Final = 64 << 10
 """Segment capacities are multiples of this."""
 COPIER_THREADS: Final = 2
+COPY_PIECE: Final = 4 << 20
+"""A copy of more bytes than this is cut in pieces of this size, shared by threads."""
 _MEMFD_NAME: Final = "asyncrpc-segment"
 
 
@@ -180,16 +182,17 @@ class Segment:
     def ref(self, nbytes: int) -> ExternalRef:
         return ExternalRef(self.key, nbytes)
 
-    def fill(self, data: memoryview) -> None:
+    def fill(self, data: memoryview, helpers: Copiers | None = None) -> None:
         """Copy ``data`` in (any thread; the GIL is released for the copy and for the page
-        faults of a new segment, which cost as much as the copy or more)."""
+        faults of a new segment, which cost as much as the copy or more); ``helpers``
+        share a large copy."""
         with self._lock:  # a closed descriptor's number may name another file by now
             if self.fd < 0:
                 raise OSError(errno.EBADF, "shared-memory segment closed")
             if self.mapping is None:
                 self.mapping = _Mapping(self.fd, self.capacity, populate=False)
             mapping = self.mapping
-        _copy_into(mapping, data)
+        _copy_into(mapping, data, helpers)
         self.filled = max(self.filled, len(data))
 
     def close(self) -> None:
@@ -230,7 +233,7 @@ class SegmentPool:
         says so (an event loop need not spin meanwhile)."""
         with self._lock:
             self._copying += 1
-        job = self._copiers.submit(functools.partial(fill_all, fills))
+        job = self._copiers.submit(functools.partial(fill_all, fills, self._copiers))
         job.add_done_callback(lambda _: self._copy_done())
         return job
 
@@ -271,7 +274,7 @@ class SegmentPool:
         if segment is None:
             return None
         try:
-            segment.fill(data)
+            segment.fill(data, self._copiers)
         except Exception as exc:  # a bug, but the bytes can still go through the socket
             log.warning("copy into shared memory failed (%r); using the socket", exc)
             self.discard([segment], fallback=True)
@@ -438,20 +441,36 @@ def _forget_owner(owner: SegmentOwner, segments: list[Segment]) -> None:
         segment.lent_to.discard(owner)
 
 
-def fill_all(fills: list[tuple[Segment, memoryview]]) -> None:
-    """Fill each segment with its buffer (a copier thread's job)."""
+def fill_all(fills: list[tuple[Segment, memoryview]], helpers: Copiers | None = None) -> None:
+    """Fill each segment with its buffer (a copier thread's job), ``helpers`` sharing
+    large copies."""
     for segment, data in fills:
-        segment.fill(data)
+        segment.fill(data, helpers)
 
 
-def _copy_into(destination: _Mapping, source: memoryview) -> None:
+def _copy_into(destination: _Mapping, source: memoryview, helpers: Copiers | None) -> None:
     """memcpy through ctypes, which lets go of the GIL for the copy (slice assignment
-    would hold it, stalling the event loop while a pool thread copies megabytes)."""
+    would hold it, stalling the event loop while a pool thread copies megabytes); a
+    copy of several ``COPY_PIECE``s is shared with ``helpers``."""
+    nbytes = len(source)
     if source.readonly:
-        destination.view(len(source))[:] = source
+        destination.view(nbytes)[:] = source
         return
     source_address = ctypes.addressof(ctypes.c_char.from_buffer(source))
-    ctypes.memmove(destination.address, source_address, len(source))
+    if helpers is None or nbytes <= COPY_PIECE:
+        ctypes.memmove(destination.address, source_address, nbytes)
+        return
+    helpers.share(
+        [
+            functools.partial(
+                ctypes.memmove,
+                destination.address + offset,
+                source_address + offset,
+                min(COPY_PIECE, nbytes - offset),
+            )
+            for offset in range(0, nbytes, COPY_PIECE)
+        ]
+    )
 
 
 def _create_segment(capacity: int, serial: int) -> Segment:

@@ -18,6 +18,7 @@ import torch
 from asyncrpc.agent import AgentOptions, RpcAgent, on_loop
 from asyncrpc.errors import PeerLostError
 from asyncrpc.transport import shm
+from asyncrpc.transport.housekeeping import Copiers
 from asyncrpc.wire import Kind
 from tests.in_process import joined_agents
 
@@ -101,9 +102,11 @@ async def test_copies_run_off_the_loop_unless_small_and_warm_and_nothing_overtak
     copied_on: list[str] = []
     fill = shm.Segment.fill
 
-    def recording_fill(segment: shm.Segment, data: memoryview) -> None:
+    def recording_fill(
+        segment: shm.Segment, data: memoryview, helpers: Copiers | None = None
+    ) -> None:
         copied_on.append(threading.current_thread().name)
-        fill(segment, data)
+        fill(segment, data, helpers)
 
     monkeypatch.setattr(shm.Segment, "fill", recording_fill)
     big, medium = torch.ones(8 * MiB), torch.ones(MiB)  # 32 MiB and 4 MiB

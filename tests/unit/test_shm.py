@@ -29,6 +29,7 @@ pytestmark = pytest.mark.skipif(
 
 if sys.platform.startswith("linux"):
     from asyncrpc.transport import shm
+    from asyncrpc.transport.housekeeping import Copiers
     from asyncrpc.transport.shm import (
         DEFAULT_BUDGET,
         GRANULE,
@@ -122,10 +123,10 @@ def test_fill_later_copies_on_a_copier_thread_and_counts_copies_in_flight(
     gate = threading.Event()
     copied_on: list[str] = []
 
-    def held_fill_all(fills: list[tuple[shm.Segment, memoryview]]) -> None:
+    def held_fill_all(fills: list[tuple[shm.Segment, memoryview]], helpers: Copiers) -> None:
         copied_on.append(threading.current_thread().name)
         assert gate.wait(10)
-        fill_all(fills)
+        fill_all(fills, helpers)
 
     monkeypatch.setattr(shm, "fill_all", held_fill_all)
     source = data(2 * MiB, 4)
