@@ -12,8 +12,8 @@ TORCH_INDEX ?=
 
 # The editable install compiles asyncrpc/_compiled.py's COMPILED_MODULES with mypyc
 # (setup.py; docs/compiled.md), or warns and stays pure Python without a C compiler.
-# $(BUILT) recompiles them in place when their sources change.
-COMPILED_SRC := asyncrpc/wire/codec.py
+# $(BUILT) recompiles them in place when their layers' sources (what mypyc reads) change.
+COMPILED_SRC := asyncrpc/errors.py $(wildcard asyncrpc/wire/*.py asyncrpc/transport/*.py)
 BUILT := $(VENV)/.compiled
 
 install: $(STAMP) $(BUILT)

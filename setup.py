@@ -20,6 +20,10 @@ from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
 PURE_PYTHON_ENV = "ASYNCRPC_PURE_PYTHON"
+ANALYSED_LAYERS = ("errors.py", "wire/*.py", "transport/*.py")
+SHARED_LIBRARY = "asyncrpc._native"
+"""The compiled modules' shared code lives in ``asyncrpc/_native__mypyc*.so`` (inside the
+package, so an editable install finds it); each module is a small extension over it."""
 
 
 def compiled_modules() -> list[str]:
@@ -47,15 +51,21 @@ def ext_modules() -> list[Any]:
         _fallback("mypyc (it comes with mypy) is not installed")
         return []
     sources = [name.replace(".", "/") + ".py" for name in compiled_modules()]
-    # What the compiled modules import from the package is analysed, not compiled; every
-    # other import is skipped, so the type check never reaches torch (minutes otherwise).
-    analysed = ["asyncrpc/errors.py", "asyncrpc/wire/messages.py"]
+    # The layers they belong to are analysed, not compiled; every other import is
+    # skipped, so the type check never reaches torch (minutes otherwise).
+    analysed = sorted(
+        str(path.relative_to(HERE))
+        for layer in ANALYSED_LAYERS
+        for path in (HERE / "asyncrpc").glob(layer)
+        if str(path.relative_to(HERE)) not in sources
+    )
     try:
         return list(
             mypycify(
                 ["--follow-imports=skip", *sources, *analysed],
                 only_compile_paths=sources,
                 opt_level="3",
+                group_name=SHARED_LIBRARY,
             )
         )
     except (Exception, SystemExit) as exc:  # mypyc exits on a type error

@@ -6,10 +6,10 @@ source for both, and Python's import system prefers the extension.  Without a co
 or when the build fails, there is no extension and the ``.py`` files load as always.
 
 ``ASYNCRPC_PURE_PYTHON=1`` makes every compiled module load from its ``.py`` instead (all
-or nothing: compiled modules may call each other natively): CI's pure-Python job, mutation
-testing and debugging use it.  In a source tree (an editable install), an extension
-older than its source (the source edited since the last build) is passed over too, with
-a warning, so an edit is never hidden behind a stale build.
+or nothing: compiled modules call each other natively): CI's pure-Python job, mutation
+testing and debugging use it.  In a source tree (an editable install), when any
+extension is older than its source (the source edited since the last build) they are
+all passed over, with a warning, so an edit is never hidden behind a stale build.
 
 This module imports nothing but the standard library: the package root installs its
 finder before anything else loads.
@@ -17,6 +17,7 @@ finder before anything else loads.
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -27,7 +28,11 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Final
 
-COMPILED_MODULES: Final = ("asyncrpc.wire.codec",)
+COMPILED_MODULES: Final = (
+    "asyncrpc.wire.codec",
+    "asyncrpc.transport.flow",
+    "asyncrpc.transport.link",
+)
 """Modules setup.py compiles, by their import names (it reads this tuple)."""
 PURE_PYTHON_ENV: Final = "ASYNCRPC_PURE_PYTHON"
 
@@ -48,36 +53,40 @@ class _SourceFinder(importlib.abc.MetaPathFinder):
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in COMPILED_MODULES or path is None:
             return None
-        name = fullname.rpartition(".")[2]
-        for entry in path:
-            source = os.path.join(entry, f"{name}.py")
-            if not os.path.isfile(source):
-                continue
-            if pure_python_requested() or _stale(entry, name, source):
-                return importlib.util.spec_from_file_location(fullname, source)
-            return None  # the usual finders load the extension
-        return None
+        source = _source_of(fullname)
+        if pure_python_requested() or _any_stale():
+            return importlib.util.spec_from_file_location(fullname, source)
+        return None  # the usual finders load the extension
 
 
-_CHECKOUT: Final = os.path.isfile(
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "setup.py")
-)
+_PACKAGE_PARENT: Final = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_CHECKOUT: Final = os.path.isfile(os.path.join(_PACKAGE_PARENT, "setup.py"))
 """Whether the package runs from its source tree (an editable install), where sources
 are edited after a build.  An installed wheel writes its files in any order, so there
 the times say nothing."""
 
 
-def _stale(directory: str, name: str, source: str) -> bool:
-    if not _CHECKOUT:
-        return False
+def _source_of(module: str) -> str:
+    return os.path.join(_PACKAGE_PARENT, *module.split(".")) + ".py"
+
+
+@functools.cache
+def _any_stale() -> bool:
+    """Whether a compiled module's extension is older than its source: then every one
+    loads from source (they call each other natively, so it is all or nothing)."""
+    return _CHECKOUT and any(_stale(_source_of(module)) for module in COMPILED_MODULES)
+
+
+def _stale(source: str) -> bool:
+    stem = source.removesuffix(".py")
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        extension = os.path.join(directory, name + suffix)
+        extension = stem + suffix
         if os.path.isfile(extension):
             if os.path.getmtime(extension) >= os.path.getmtime(source):
                 return False
             warnings.warn(
-                f"{extension} is older than {source}: loading the source (make install "
-                "rebuilds it)",
+                f"{extension} is older than {source}: loading every compiled module from "
+                "its source (make install rebuilds them)",
                 RuntimeWarning,
                 stacklevel=2,
             )

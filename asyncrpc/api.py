@@ -111,7 +111,7 @@ async def init_rpc(
     agent.join([WorkerAddress.from_dict(r) for r in records])
     context_for(agent)  # RRefs and autograd contexts are part of every agent: count
     contexts_of(agent)  # them (get_debug_info) from the start
-    agent.store = store  # type: ignore[attr-defined]  # keeps a hosted TCPStore alive
+    agent.store = store
     set_default_agent(agent)
 
 

@@ -213,6 +213,7 @@ class RpcAgent:
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Future[Any]] = set()
         self._idle = asyncio.Event()  # no call of ours pending
+        self.store: object = None  # the rendezvous store, kept alive (it may host a TCPStore)
         self._idle.set()
         self._shutdown: ShutdownBarrier[Link] = ShutdownBarrier(())  # with the peers: join()
         self._phase_passed = {phase: asyncio.Event() for phase in PHASES}

@@ -8,10 +8,12 @@ every module is compiled (for a job that must test the extension).
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -53,3 +55,28 @@ def test_zero_means_no_override() -> None:
     assert set(default) == set(forced)
     if not _compiled.pure_python_requested():
         assert default == _compiled.active()
+
+
+def _awaits_in_finally(tree: ast.AST) -> list[int]:
+    """Lines of ``finally`` blocks that await (or ``async with``/``async for``)."""
+    found = []
+    for node in ast.walk(tree):
+        for block in getattr(node, "finalbody", []) if isinstance(node, ast.Try) else []:
+            for inner in ast.walk(block):
+                if isinstance(inner, (ast.Await, ast.AsyncWith, ast.AsyncFor)):
+                    found.append(inner.lineno)
+    return found
+
+
+@pytest.mark.parametrize("module", _compiled.COMPILED_MODULES)
+def test_no_compiled_module_awaits_in_a_finally_block(module: str) -> None:
+    """Compiled by mypyc 2.4.1, a coroutine whose ``finally`` awaits raises the previous
+    exception to pass through it again, in a later call that raised nothing (the
+    agent's shutdown did, when it was compiled: docs/compiled.md)."""
+    source = Path(__file__).parents[2].joinpath(*module.split(".")).with_suffix(".py")
+    assert _awaits_in_finally(ast.parse(source.read_text())) == []
+
+
+def test_the_finally_check_finds_an_await() -> None:
+    code = "async def f():\n    try:\n        pass\n    finally:\n        await g()\n"
+    assert _awaits_in_finally(ast.parse(code)) == [5]

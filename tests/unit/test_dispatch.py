@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from asyncrpc.agent import dispatch
 from asyncrpc.agent.dispatch import Placement, async_execution, describe
 
 
@@ -31,7 +32,8 @@ def test_bound_builtin_methods_are_not_kept_alive_by_the_cache() -> None:
 
 
 def test_plain_builtins_are_cached() -> None:
-    assert describe(torch.add) is describe(torch.add)
+    assert describe(torch.add) == (Placement.THREAD, "torch._VariableFunctionsClass.add")
+    assert torch.add in dispatch._placements
 
 
 class Service:
