@@ -168,7 +168,7 @@ class Link(asyncio.BufferedProtocol):
         self._loop_thread = threading.get_ident()
         self._decoder = FrameDecoder(HANDSHAKE_LIMITS, allocate=allocate)
         self._segments = segments
-        self._share_memory = False
+        self._same_host = False
         self._max_mapped_bytes = max_mapped_bytes
         self._mapper = SegmentMapper(0)  # the peer's pid is known after the handshake
         self._transport: asyncio.Transport | None = None
@@ -286,7 +286,7 @@ class Link(asyncio.BufferedProtocol):
         ``LocalProtocolError`` (naming ``function``, the call it belongs to) before
         anything is written or shared."""
         self._check_size(kind, payload, buffers, function)
-        pool = self._segments if self._share_memory else None
+        pool = self._segments if self._lends_segments() else None
         if pool is None or not _has_large(buffers):
             return encode_frame(kind, meta, payload, buffers, max_frame_size=self.max_send_size)
         refs = [self._put(pool, b) for b in buffers]
@@ -316,12 +316,18 @@ class Link(asyncio.BufferedProtocol):
         copied by the segment pool's threads (here if small and warm), and the message,
         with every later one, waits for them.  Too large a message raises, as ``encode``."""
         self._check_size(kind, payload, buffers, function)
-        if buffers and self._share_memory and _has_large(buffers) and not self.closed:
+        if buffers and self._lends_segments() and _has_large(buffers) and not self.closed:
             self._send_through_segments(kind, meta, payload, buffers)
         else:
             self.write(
                 encode_frame(kind, meta, payload, buffers, max_frame_size=self.max_send_size)
             )
+
+    def _lends_segments(self) -> bool:
+        """Large buffers go through segments: the peer is on this host, and this worker
+        has a segment pool (``shared_memory=False`` has none; it still maps the segments
+        of a peer that lends them)."""
+        return self._same_host and self._segments is not None
 
     def _check_size(
         self, kind: int, payload: bytes | memoryview, buffers: Sequence[memoryview], function: str
@@ -538,7 +544,7 @@ class Link(asyncio.BufferedProtocol):
         assert theirs is not None, "announced in the handshake"
         self.max_send_size = min(self.max_frame_size, theirs)
         self._decoder.limits = Limits.established(self.max_frame_size)
-        self._share_memory = self.peer.host == self.handshake.local.host
+        self._same_host = self.peer.host == self.handshake.local.host
         self._mapper = SegmentMapper(self.peer.pid, self._max_mapped_bytes)
         self.handler.link_established(self)
         if not self.ready.done():
@@ -547,7 +553,7 @@ class Link(asyncio.BufferedProtocol):
     def _resolve_external(self, frame: Frame) -> None:
         for i, buf in enumerate(frame.buffers):
             if isinstance(buf, ExternalRef):
-                if not self._share_memory:
+                if not self._same_host:
                     raise RemoteProtocolError("shared-memory buffer from a peer on another host")
                 frame.buffers[i] = self._mapper.view(buf, self.segment_released)
 

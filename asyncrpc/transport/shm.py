@@ -11,7 +11,8 @@ receiver faults in fresh pages.  Between processes of one host we do better:
   and its descriptor number.
 * The receiver opens ``/proc/<sender pid>/fd/<fd>`` the first time it sees a
   key (the kernel lets only the same user do so; the memfd's name must carry
-  the key's serial), maps the whole segment once, and keeps that mapping in a
+  the key's serial), maps the whole segment once (its pages are mapped in by
+  whoever reads them first, not on the event loop), and keeps that mapping in a
   :class:`SegmentMapper` cache.  Each transfer is a *view* of the cached mapping
   that becomes the tensor's storage: no second copy, and no system call at all
   for a segment seen before.
@@ -39,9 +40,10 @@ Lending and filling are separate steps: ``lend`` (cheap: a memfd and
 ``ftruncate``) fixes the key, so a frame can be encoded at once, and
 ``Segment.fill`` (the mmap of a new segment, its page faults and the memcpy,
 all without the GIL) can run on another thread (``fill_later``: the pool's
-copier threads); ``put`` does both.  Unmapping is slow too (the last unmap
-frees the pages), so mappings are let go on the housekeeping thread
-(:mod:`.housekeeping`).
+copier threads); ``put`` does both.  A large copy is shared by the thread that
+wants it and the free copiers (``COPY_PIECE``): faults and memcpy on every core.
+Unmapping is slow too (the last unmap frees the pages), so mappings are let go
+on the housekeeping thread (:mod:`.housekeeping`).
 
 A segment is reused only after its receiver released it, so the receiver never
 sees its tensor change.  When a link is lost its in-use segments are closed on
@@ -540,7 +542,7 @@ class SegmentMapper:
             size = os.fstat(fd).st_size
             if not 0 < ref.nbytes <= size:
                 raise RemoteProtocolError(f"segment {path} does not hold {ref.nbytes} bytes")
-            return _Mapping(fd, size, populate=True)
+            return _Mapping(fd, size, populate=False)
         finally:
             os.close(fd)
 

@@ -256,3 +256,22 @@ async def test_nothing_is_lent_to_a_link_that_is_gone(pair: tuple[RpcAgent, RpcA
     link.send(Kind.RESPONSE, {"i": 2}, b"", [big])
     stats = shared(a)
     assert stats["segments_in_use"] == 0 and stats["bytes_in_use"] == 0
+
+
+@pytest.mark.parametrize(
+    "sides", [(False, False), (False, True), (True, False)], ids=["neither", "b", "a"]
+)
+async def test_a_worker_without_shared_memory_sends_large_tensors_through_the_socket(
+    sides: tuple[bool, bool],
+) -> None:
+    """``shared_memory=False`` on either side or both: large requests and replies arrive
+    whole, plain and coroutine callees alike; a worker without a pool sends through the
+    socket and still maps the segments a peer lends it."""
+    options = [replace(OPTIONS, shared_memory=on) for on in sides]
+    async with joined_agents("ab", options) as (a, b):
+        x = tensor(4 * MiB, seed=3)
+        assert torch.equal(await a.rpc_async("b", echo, args=(x,)), x)
+        assert torch.equal(await a.rpc_async("b", negate, args=(x,)), -x)
+        assert torch.equal(await b.rpc_async("a", echo, args=(x,)), x)
+        for agent, on in zip((a, b), sides, strict=True):
+            assert (agent.debug_info()["shared_memory"] is not None) is on
