@@ -101,5 +101,8 @@ def peak_rss_kb() -> int:
 
 
 def peak_rss_kb_after_receiving(x: torch.Tensor) -> int:
-    """Peak RSS (KiB) once ``x`` has been received and rebuilt; ``x`` is not sent back."""
+    """Peak RSS (KiB) once ``x`` has been received, rebuilt and read through, as a callee
+    that uses its argument does (a receiver may map its pages only as they are read);
+    ``x`` is not sent back."""
+    float(x.sum())
     return peak_rss_kb()
