@@ -20,22 +20,19 @@ from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
 PURE_PYTHON_ENV = "ASYNCRPC_PURE_PYTHON"
-ANALYSED_LAYERS = ("errors.py", "wire/*.py", "transport/*.py")
 SHARED_LIBRARY = "asyncrpc._native"
 """The compiled modules' shared code lives in ``asyncrpc/_native__mypyc*.so`` (inside the
 package, so an editable install finds it); each module is a small extension over it."""
 
 
-def compiled_modules() -> list[str]:
-    """``COMPILED_MODULES`` from asyncrpc/_compiled.py, read without importing it."""
+def from_compiled(name: str) -> list[str]:
+    """The tuple ``name`` of asyncrpc/_compiled.py, read without importing it."""
     tree = ast.parse((HERE / "asyncrpc" / "_compiled.py").read_text())
     for node in tree.body:
-        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == (
-            "COMPILED_MODULES"
-        ):
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == name:
             assert node.value is not None
             return list(ast.literal_eval(node.value))
-    raise RuntimeError("asyncrpc/_compiled.py has no COMPILED_MODULES")
+    raise RuntimeError(f"asyncrpc/_compiled.py has no {name}")
 
 
 def _fallback(why: str) -> None:
@@ -50,12 +47,12 @@ def ext_modules() -> list[Any]:
     except ImportError:
         _fallback("mypyc (it comes with mypy) is not installed")
         return []
-    sources = [name.replace(".", "/") + ".py" for name in compiled_modules()]
+    sources = [name.replace(".", "/") + ".py" for name in from_compiled("COMPILED_MODULES")]
     # The layers they belong to are analysed, not compiled; every other import is
     # skipped, so the type check never reaches torch (minutes otherwise).
     analysed = sorted(
         str(path.relative_to(HERE))
-        for layer in ANALYSED_LAYERS
+        for layer in from_compiled("BUILT_FROM")
         for path in (HERE / "asyncrpc").glob(layer)
         if str(path.relative_to(HERE)) not in sources
     )

@@ -7,9 +7,10 @@ or when the build fails, there is no extension and the ``.py`` files load as alw
 
 ``ASYNCRPC_PURE_PYTHON=1`` makes every compiled module load from its ``.py`` instead (all
 or nothing: compiled modules call each other natively): CI's pure-Python job, mutation
-testing and debugging use it.  In a source tree (an editable install), when any
-extension is older than its source (the source edited since the last build) they are
-all passed over, with a warning, so an edit is never hidden behind a stale build.
+testing and debugging use it.  In a source tree (an editable install), when a source
+they were built from (``BUILT_FROM``) is newer than an extension (edited since the last
+build), they are all passed over, with a warning, so an edit is never hidden behind a
+stale build.
 
 This module imports nothing but the standard library: the package root installs its
 finder before anything else loads.
@@ -18,6 +19,7 @@ finder before anything else loads.
 from __future__ import annotations
 
 import functools
+import glob
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -34,6 +36,9 @@ COMPILED_MODULES: Final = (
     "asyncrpc.transport.link",
 )
 """Modules setup.py compiles, by their import names (it reads this tuple)."""
+BUILT_FROM: Final = ("errors.py", "wire/*.py", "transport/*.py")
+"""The sources mypyc reads to build them, as globs under the package (setup.py reads
+this tuple too): a constant declared ``Final`` in one of them is compiled in."""
 PURE_PYTHON_ENV: Final = "ASYNCRPC_PURE_PYTHON"
 
 
@@ -72,26 +77,36 @@ def _source_of(module: str) -> str:
 
 @functools.cache
 def _any_stale() -> bool:
-    """Whether a compiled module's extension is older than its source: then every one
-    loads from source (they call each other natively, so it is all or nothing)."""
-    return _CHECKOUT and any(_stale(_source_of(module)) for module in COMPILED_MODULES)
+    """Whether a source the extensions were built from is newer than one of them: then
+    every compiled module loads from source (they call each other natively, so it is
+    all or nothing)."""
+    if not _CHECKOUT:
+        return False
+    built = [_extension_time(_source_of(module)) for module in COMPILED_MODULES]
+    if not any(built):
+        return False  # nothing was compiled
+    oldest = min(t for t in built if t)
+    package = os.path.join(_PACKAGE_PARENT, "asyncrpc")
+    for pattern in BUILT_FROM:
+        for source in sorted(glob.glob(os.path.join(package, pattern))):
+            if os.path.getmtime(source) > oldest:
+                warnings.warn(
+                    f"{source} changed since the compiled modules were built: loading "
+                    "every one from its source (make install rebuilds them)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                return True
+    return False
 
 
-def _stale(source: str) -> bool:
+def _extension_time(source: str) -> float:
+    """When the extension beside ``source`` was built; 0 if there is none."""
     stem = source.removesuffix(".py")
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        extension = stem + suffix
-        if os.path.isfile(extension):
-            if os.path.getmtime(extension) >= os.path.getmtime(source):
-                return False
-            warnings.warn(
-                f"{extension} is older than {source}: loading every compiled module from "
-                "its source (make install rebuilds them)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return True
-    return False
+        if os.path.isfile(stem + suffix):
+            return os.path.getmtime(stem + suffix)
+    return 0.0
 
 
 def install() -> None:

@@ -9,10 +9,12 @@ every module is compiled (for a job that must test the extension).
 from __future__ import annotations
 
 import ast
+import importlib.machinery
 import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -80,3 +82,37 @@ def test_no_compiled_module_awaits_in_a_finally_block(module: str) -> None:
 def test_the_finally_check_finds_an_await() -> None:
     code = "async def f():\n    try:\n        pass\n    finally:\n        await g()\n"
     assert _awaits_in_finally(ast.parse(code)) == [5]
+
+
+def _built_tree(root: Path) -> Path:
+    """A fake source tree: every compiled module's source and extension, and a source
+    they are built from that is not compiled; the extensions are the newest."""
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    for module in _compiled.COMPILED_MODULES:
+        source = root.joinpath(*module.split(".")).with_suffix(".py")
+        source.parent.mkdir(parents=True, exist_ok=True)
+        source.write_text("")
+        os.utime(source, (1000, 1000))
+        extension = source.with_name(source.stem + suffix)
+        extension.write_text("")
+        os.utime(extension, (2000, 2000))
+    (root / "asyncrpc" / "transport" / "shm.py").write_text("")
+    os.utime(root / "asyncrpc" / "transport" / "shm.py", (1000, 1000))
+    return root / "asyncrpc" / "transport" / "shm.py"
+
+
+@pytest.mark.parametrize("edited", [None, "asyncrpc/transport/link.py", "built-from"])
+def test_an_edit_to_any_source_they_are_built_from_sends_all_back_to_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edited: str | None
+) -> None:
+    """A constant mypyc compiled in may come from a module that is only analysed, so an
+    edit there makes the build stale too (all or nothing)."""
+    read_only = _built_tree(tmp_path)
+    if edited is not None:
+        path = read_only if edited == "built-from" else tmp_path / edited
+        os.utime(path, (3000, 3000))
+    monkeypatch.setattr(_compiled, "_PACKAGE_PARENT", str(tmp_path))
+    monkeypatch.setattr(_compiled, "_CHECKOUT", True)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert _compiled._any_stale.__wrapped__() is (edited is not None)
