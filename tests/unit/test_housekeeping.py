@@ -78,3 +78,55 @@ def test_the_housekeeper_runs_chores_when_due_and_drops_what_it_is_given() -> No
     housekeeper.call_at(time.monotonic(), flushed.set)  # queued after the drop
     assert flushed.wait(timeout=10)
     assert dropped_on == ["asyncrpc-housekeeping"]
+
+
+def test_share_runs_every_piece_once_here_and_on_free_copiers() -> None:
+    copiers = Copiers(2, "test-share")
+    try:
+        ran: list[tuple[int, str]] = []
+        lock = threading.Lock()
+        gate = threading.Barrier(3, timeout=10)  # three threads, each in a piece at once
+
+        def piece(i: int) -> None:
+            if i < 3:
+                gate.wait()
+            with lock:
+                ran.append((i, threading.current_thread().name))
+
+        copiers.share([lambda i=i: piece(i) for i in range(12)])
+        assert sorted(i for i, _ in ran) == list(range(12))  # each once, all before return
+        names = {name for _, name in ran}
+        assert threading.current_thread().name in names
+        assert sum(name.startswith("test-share") for name in names) == 2
+    finally:
+        copiers.shutdown()
+
+
+def test_share_raises_the_first_error_once_every_piece_has_run() -> None:
+    copiers = Copiers(1, "test-share")
+    try:
+        ran: list[int] = []
+
+        def piece(i: int) -> None:
+            ran.append(i)
+            if i in (2, 5):
+                raise OSError(i, "copy failed")
+
+        with pytest.raises(OSError) as caught:
+            copiers.share([lambda i=i: piece(i) for i in range(8)])
+        assert caught.value.errno in (2, 5)
+        assert sorted(ran) == list(range(8))
+    finally:
+        copiers.shutdown()
+
+
+def test_a_copier_may_share_its_own_job_without_deadlock() -> None:
+    """Every copier busy sharing: the pieces they hand out are taken by themselves."""
+    copiers = Copiers(1, "test-share")
+    try:
+        ran: list[int] = []
+        job = copiers.submit(lambda: copiers.share([lambda i=i: ran.append(i) for i in range(6)]))
+        assert job.result(timeout=10) is None
+        assert sorted(ran) == list(range(6))
+    finally:
+        copiers.shutdown()

@@ -670,3 +670,11 @@ def test_a_mapper_lets_go_of_the_mappings_it_is_told_to(
         mapper.clear()
         assert mapper.cached_bytes == 0
         assert sorted(m.nbytes for m in dropped.objects) == [MiB, 2 * MiB]
+
+
+def test_a_copy_of_several_pieces_is_shared_and_arrives_whole(pool: SegmentPool) -> None:
+    source = bytearray(data(3 * shm.COPY_PIECE + 12345, 7))  # four pieces, the last short
+    ref = put(pool, source, LINK)
+    assert isinstance(ref, ExternalRef)
+    memory = SegmentMapper(os.getpid()).view(ref, Releases())
+    assert memory[:] == source
