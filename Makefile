@@ -12,7 +12,8 @@ TORCH_INDEX ?=
 
 # The editable install compiles asyncrpc/_compiled.py's COMPILED_MODULES with mypyc
 # (setup.py; docs/compiled.md), or warns and stays pure Python without a C compiler.
-# $(BUILT) recompiles them in place when their layers' sources (what mypyc reads) change.
+# $(BUILT) recompiles them in place when a source mypyc reads changes (the globs of
+# BUILT_FROM in asyncrpc/_compiled.py, spelled here for make).
 COMPILED_SRC := asyncrpc/errors.py $(wildcard asyncrpc/wire/*.py asyncrpc/transport/*.py)
 BUILT := $(VENV)/.compiled
 

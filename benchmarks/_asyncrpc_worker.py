@@ -18,6 +18,7 @@ from _common import (
     CALLEE,
     MB,
     Config,
+    Echoes,
     Results,
     WorkerArgs,
     check_echo,
@@ -169,23 +170,14 @@ async def memory_probe(cfg: Config) -> Results:
 
 
 async def echo_ms(cfg: Config, nbytes: int, repeats: int, *, keep_previous: bool) -> Results:
-    """Round-trip times (ms) of echoing a tensor of ``nbytes``, after ``cfg.echo_warmup``
-    echoes (the first one checked).  With ``keep_previous`` each result stays referenced
-    until the next one has arrived, as in ``prev = await rpc_async(...)``."""
-    tensor = make_tensor(nbytes)
-    alive: list[torch.Tensor] = []
-    times = []
-    for index in range(cfg.echo_warmup + repeats):
+    """Round-trip times (ms) of echoing a tensor of ``nbytes`` (see ``Echoes``)."""
+    echoes = Echoes(cfg, nbytes, repeats, keep_previous=keep_previous)
+    for index in echoes.rounds:
         start = time.perf_counter_ns()
-        result = await call(fns.echo, tensor)
-        elapsed_ms = (time.perf_counter_ns() - start) / 1e6
-        if index == 0:
-            check_echo(tensor, result)
-        if index >= cfg.echo_warmup:
-            times.append(elapsed_ms)
-        alive[:] = [result] if keep_previous else []
-        del result
-    return summary(times)
+        result = await call(fns.echo, echoes.tensor)
+        echoes.record(index, result, time.perf_counter_ns() - start)
+        del result  # without keep_previous, not alive during the next echo
+    return echoes.results()
 
 
 async def echo_rows(cfg: Config, *, keep_previous: bool) -> Results:

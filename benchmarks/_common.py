@@ -239,6 +239,33 @@ def check_echo(sent: torch.Tensor, received: object) -> None:
         raise AssertionError("echo returned a different value than it was sent")
 
 
+class Echoes:
+    """What both workers' ``echo_ms`` do around each echo of one tensor, so that both
+    frameworks run the same workload: ``cfg.echo_warmup`` untimed echoes first, the
+    first echo checked, and with ``keep_previous`` each result kept referenced until
+    the next one has arrived (as ``prev = <call>`` keeps it)."""
+
+    def __init__(self, cfg: Config, nbytes: int, repeats: int, *, keep_previous: bool) -> None:
+        self.tensor = make_tensor(nbytes)
+        self.rounds = range(cfg.echo_warmup + repeats)
+        self._warmup = cfg.echo_warmup
+        self._keep_previous = keep_previous
+        self._alive: list[object] = []
+        self._times: list[float] = []
+
+    def record(self, index: int, result: object, elapsed_ns: int) -> None:
+        """Echo ``index`` brought ``result`` back in ``elapsed_ns``."""
+        if index == 0:
+            check_echo(self.tensor, result)
+        if index >= self._warmup:
+            self._times.append(elapsed_ns / 1e6)
+        self._alive[:] = [result] if self._keep_previous else []
+
+    def results(self) -> Results:
+        """The timed echoes' round trips, in ms."""
+        return summary(self._times)
+
+
 def check_value(expected: object, received: object) -> None:
     """Fail loudly if a call brought back something other than ``expected``."""
     if received != expected:

@@ -19,6 +19,7 @@ from _common import (
     CALLEE,
     MB,
     Config,
+    Echoes,
     Results,
     WorkerArgs,
     check_echo,
@@ -165,23 +166,14 @@ def memory_probe(cfg: Config) -> Results:
 
 
 def echo_ms(cfg: Config, nbytes: int, repeats: int, *, keep_previous: bool) -> Results:
-    """Round-trip times (ms) of echoing a tensor of ``nbytes``, after ``cfg.echo_warmup``
-    echoes (the first one checked).  With ``keep_previous`` each result stays referenced
-    until the next one has arrived, as in ``prev = rpc_sync(...)``."""
-    tensor = make_tensor(nbytes)
-    alive: list[torch.Tensor] = []
-    times = []
-    for index in range(cfg.echo_warmup + repeats):
+    """Round-trip times (ms) of echoing a tensor of ``nbytes`` (see ``Echoes``)."""
+    echoes = Echoes(cfg, nbytes, repeats, keep_previous=keep_previous)
+    for index in echoes.rounds:
         start = time.perf_counter_ns()
-        result = rpc.rpc_sync(CALLEE, fns.echo, args=(tensor,))
-        elapsed_ms = (time.perf_counter_ns() - start) / 1e6
-        if index == 0:
-            check_echo(tensor, result)
-        if index >= cfg.echo_warmup:
-            times.append(elapsed_ms)
-        alive[:] = [result] if keep_previous else []
-        del result
-    return summary(times)
+        result = rpc.rpc_sync(CALLEE, fns.echo, args=(echoes.tensor,))
+        echoes.record(index, result, time.perf_counter_ns() - start)
+        del result  # without keep_previous, not alive during the next echo
+    return echoes.results()
 
 
 def echo_rows(cfg: Config, *, keep_previous: bool) -> Results:

@@ -75,7 +75,7 @@ def test_no_compiled_module_awaits_in_a_finally_block(module: str) -> None:
     """Compiled by mypyc 2.4.1, a coroutine whose ``finally`` awaits raises the previous
     exception to pass through it again, in a later call that raised nothing (the
     agent's shutdown did, when it was compiled: docs/compiled.md)."""
-    source = Path(__file__).parents[2].joinpath(*module.split(".")).with_suffix(".py")
+    source = Path(_compiled._source_of(module))  # the file the finder would load
     assert _awaits_in_finally(ast.parse(source.read_text())) == []
 
 

@@ -102,31 +102,23 @@ def test_share_runs_every_piece_once_here_and_on_free_copiers() -> None:
         copiers.shutdown()
 
 
-def test_share_raises_the_first_error_once_every_piece_has_run() -> None:
-    copiers = Copiers(1, "test-share")
-    try:
-        ran: list[int] = []
+def test_share_raises_the_first_error_once_every_piece_has_run(copiers: Copiers) -> None:
+    ran: list[int] = []
 
-        def piece(i: int) -> None:
-            ran.append(i)
-            if i in (2, 5):
-                raise OSError(i, "copy failed")
+    def piece(i: int) -> None:
+        ran.append(i)
+        if i in (2, 5):
+            raise OSError(i, "copy failed")
 
-        with pytest.raises(OSError) as caught:
-            copiers.share([lambda i=i: piece(i) for i in range(8)])
-        assert caught.value.errno in (2, 5)
-        assert sorted(ran) == list(range(8))
-    finally:
-        copiers.shutdown()
+    with pytest.raises(OSError) as caught:
+        copiers.share([lambda i=i: piece(i) for i in range(8)])
+    assert caught.value.errno in (2, 5)
+    assert sorted(ran) == list(range(8))
 
 
-def test_a_copier_may_share_its_own_job_without_deadlock() -> None:
+def test_a_copier_may_share_its_own_job_without_deadlock(copiers: Copiers) -> None:
     """Every copier busy sharing: the pieces they hand out are taken by themselves."""
-    copiers = Copiers(1, "test-share")
-    try:
-        ran: list[int] = []
-        job = copiers.submit(lambda: copiers.share([lambda i=i: ran.append(i) for i in range(6)]))
-        assert job.result(timeout=10) is None
-        assert sorted(ran) == list(range(6))
-    finally:
-        copiers.shutdown()
+    ran: list[int] = []
+    job = copiers.submit(lambda: copiers.share([lambda i=i: ran.append(i) for i in range(6)]))
+    assert job.result(timeout=10) is None
+    assert sorted(ran) == list(range(6))
