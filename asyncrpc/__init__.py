@@ -18,7 +18,7 @@ from asyncrpc import _compiled
 _compiled.install()  # before any compiled module loads: ASYNCRPC_PURE_PYTHON, stale builds
 
 if TYPE_CHECKING:
-    from asyncrpc import autograd, functions, nn, optim
+    from asyncrpc import autograd, functions, nn, optim, serving
     from asyncrpc.agent import WorkerInfo
     from asyncrpc.api import (
         get_debug_info,
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         AgentStateError,
         AsyncRPCError,
         HandshakeError,
+        OverloadedError,
         PeerLostError,
         ProtocolError,
         RemoteError,
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-_SUBMODULES = frozenset({"autograd", "functions", "nn", "optim"})
+_SUBMODULES = frozenset({"autograd", "functions", "nn", "optim", "serving"})
 _DEFINED_IN = {  # every other public name: the module it comes from
     "WorkerInfo": "asyncrpc.agent",
     **dict.fromkeys(
@@ -56,6 +57,7 @@ _DEFINED_IN = {  # every other public name: the module it comes from
             "AgentStateError",
             "AsyncRPCError",
             "HandshakeError",
+            "OverloadedError",
             "PeerLostError",
             "ProtocolError",
             "RPCTimeoutError",
@@ -74,6 +76,7 @@ __all__ = (
     "AgentStateError",
     "AsyncRPCError",
     "HandshakeError",
+    "OverloadedError",
     "PeerLostError",
     "ProtocolError",
     "RPCTimeoutError",
@@ -93,6 +96,7 @@ __all__ = (
     "remote",
     "rpc_async",
     "rpc_sync",
+    "serving",
     "shutdown",
 )
 

@@ -64,6 +64,10 @@ class AgentStateError(AsyncRPCError, RuntimeError):
     """The RPC agent is not running (not initialised yet, or shut down), or misused."""
 
 
+class OverloadedError(AsyncRPCError, RuntimeError):
+    """A service refused a call at once: its queue is full (see ``functions.batch``)."""
+
+
 class RemoteError(AsyncRPCError):
     """A remote exception that could not be re-raised as its own type (it did not pickle).
 

@@ -42,7 +42,9 @@ still talks to it.  Then close.  Who announced what and who is dead is the
 sans-IO :class:`~asyncrpc.agent.shutdown.ShutdownBarrier`'s; the agent feeds it
 events (a SHUTDOWN frame, a link established or lost, a dial's outcome) and
 carries out its actions (reach a peer, tell a link, a phase passed).  Each dial
-is bounded by ``connect_timeout``; ``shutdown(timeout=...)`` bounds the whole.
+is bounded by ``connect_timeout``; a call that fails because its dial failed says
+so (``PeerLostError`` with ``sent=False``: it never left, so it may go elsewhere).
+``shutdown(timeout=...)`` bounds the whole.
 Unbounded by design: ``shutdown(timeout=None)`` waits in phase 1 for live peers
 as long as they live (and for our own calls, each bounded by its timeout unless
 it has none), and ``timeout=0`` waits without a bound throughout.
@@ -554,17 +556,18 @@ class RpcAgent:
                 await link.ready
         except TimeoutError:
             raise PeerLostError(
-                f"timed out connecting to worker {peer!r} at {address}", worker=peer
+                f"timed out connecting to worker {peer!r} at {address}", worker=peer, sent=False
             ) from None
         except (ConnectionError, HandshakeError) as exc:
             if isinstance(exc, PeerLostError) and exc.details.get("worker") == peer:
+                exc.details["sent"] = False  # nothing goes out before the dial
                 raise
             raise PeerLostError(
-                f"cannot connect to worker {peer!r} at {address}: {exc}", worker=peer
+                f"cannot connect to worker {peer!r} at {address}: {exc}", worker=peer, sent=False
             ) from exc
         if link.peer.name != peer:
             link.abort(PeerLostError(f"{address} is {link.peer.name!r}, not {peer!r}"))
-            raise PeerLostError(f"worker {peer!r} is not at {address}", worker=peer)
+            raise PeerLostError(f"worker {peer!r} is not at {address}", worker=peer, sent=False)
         self._links[peer] = link
         return link
 
@@ -573,7 +576,9 @@ class RpcAgent:
         for scheme in self.options.transports:
             if scheme in target.addresses and (same_host or not SCHEMES[scheme].host_local):
                 return target.addresses[scheme]
-        raise PeerLostError(f"no common transport with worker {target.name!r}", worker=target.name)
+        raise PeerLostError(
+            f"no common transport with worker {target.name!r}", worker=target.name, sent=False
+        )
 
     def _expire(self, call_id: int) -> None:
         call = self._pending.get(call_id)
