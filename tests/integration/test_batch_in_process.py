@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from asyncrpc import AgentStateError, OverloadedError, RPCTimeoutError
-from asyncrpc.agent import AgentOptions, RpcAgent
-from asyncrpc.autograd.context import current_context_id
+from asyncrpc import AgentStateError, OverloadedError, RPCTimeoutError, autograd
+from asyncrpc.agent import AgentOptions, RpcAgent, set_default_agent
+from asyncrpc.autograd.context import contexts_of, current_context_id
 from asyncrpc.functions import batch
 from asyncrpc.serving import BatchedFunction
 from tests.in_process import joined_agents
@@ -90,6 +90,15 @@ async def gated(items: list[int]) -> list[int]:
     Seen.entered.set()
     await Seen.gate.wait()
     return items
+
+
+W = torch.linspace(-1.0, 1.0, 16, dtype=torch.float64).reshape(4, 4).requires_grad_()
+
+
+@batch(max_size=2, max_wait=LONG)
+def project(items: list[torch.Tensor]) -> torch.Tensor:
+    _record(items)
+    return torch.stack(items) @ W  # row i depends on item i only
 
 
 @batch(max_size=8, max_wait=0.0)
@@ -247,6 +256,41 @@ async def test_the_batch_runs_in_no_callers_autograd_context(
         current_context_id.reset(token)
     assert await asyncio.gather(*calls) == [0, 2, 4, 6]
     assert Seen.contexts == [None]
+
+
+async def test_gradients_flow_back_through_a_batch_to_each_caller_for_its_own_slot(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    a, b = pair
+    contexts_of(a), contexts_of(b)  # (init_rpc does this)
+    set_default_agent(a)
+    try:
+        got = await asyncio.gather(_train_through(a, b, 1), _train_through(a, b, 2))
+    finally:
+        set_default_agent(None)
+    assert [len(items) for items in Seen.batches] == [2]  # both callers in one batch
+    for seed, (grad_w_a, grad_w) in zip((1, 2), got, strict=True):
+        w_a, x = _inputs(seed)
+        w_local = W.detach().clone().requires_grad_()
+        ((x @ w_a @ w_local) ** 2).sum().backward()
+        assert torch.allclose(grad_w_a, w_a.grad)  # type: ignore[arg-type]
+        assert torch.allclose(grad_w, w_local.grad)  # type: ignore[arg-type]
+
+
+def _inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    w_a = torch.randn(3, 4, dtype=torch.float64, generator=generator).requires_grad_()
+    return w_a, torch.randn(3, 3, dtype=torch.float64, generator=generator)
+
+
+async def _train_through(a: RpcAgent, b: RpcAgent, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A caller's step in its own context: forward through the batch, backward; its
+    gradients for its own weights (here) and for the batch's weights (on b)."""
+    w_a, x = _inputs(seed)
+    async with autograd.context() as ctx:
+        y = await a.rpc_async("b", project, (x @ w_a,))
+        await autograd.backward(ctx, [(y * y).sum()])
+        return autograd.get_gradients(ctx)[w_a], contexts_of(b).get(ctx).grads[W]
 
 
 async def test_waiting_callers_fail_when_the_serving_worker_shuts_down(
