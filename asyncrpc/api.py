@@ -62,7 +62,8 @@ async def init_rpc(
     torchrun the agent's store is used), ``file://path``, or ``store=``.
     ``rpc_timeout`` is the default per-call timeout in seconds (0: none).
     ``transports`` lists what to listen on and prefer, in order ("unix" is used
-    only between processes of one host).  ``shared_memory`` enables the
+    only between processes of one network namespace; where it fails, the next one,
+    at once and for good: see ``get_debug_info()["links"]``).  ``shared_memory`` enables the
     same-host path for large tensors; ``shared_memory_budget`` bounds the bytes of
     segments this worker holds (lent plus idle; beyond it, buffers go through the
     socket) and ``shared_memory_idle`` the idle ones kept for reuse.  ``busy_poll``

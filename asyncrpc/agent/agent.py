@@ -2,7 +2,10 @@
 
 Theory of operation
 -------------------
-A worker listens on every transport it offers and dials a peer on first use.
+A worker listens on every transport it offers and dials a peer on first use,
+on the route :mod:`asyncrpc.agent.routes` plans: unix sockets only to a peer of
+our network namespace, and tcp at once, for good, if nobody answers there.  The
+debug info's ``links`` says which transport each link uses, and why.
 Links are one-way for calls: requests go out on links we dialed and come in on
 links peers dialed; each request's reply returns on the link it came in on.  So
 two workers that call each other hold two links, and no tie-break is needed.
@@ -72,6 +75,7 @@ from asyncrpc.agent.inbound import Inbound
 from asyncrpc.agent.notices import Notice, Notices, delivered, handle
 from asyncrpc.agent.outgoing import Outgoing
 from asyncrpc.agent.polling import BusyPoller
+from asyncrpc.agent.routes import Routes
 from asyncrpc.agent.shutdown import (
     PHASES,
     Lifecycle,
@@ -96,13 +100,15 @@ from asyncrpc.serde import allocate_tensor_storage
 from asyncrpc.transport import (
     DEFAULT_BUDGET,
     DEFAULT_MAX_IDLE,
+    KERNEL,
     SCHEMES,
     Admission,
+    Host,
     Link,
     SegmentPool,
     dial,
-    host_identity,
     listen,
+    local_host,
     too_large,
 )
 from asyncrpc.wire import DEFAULT_MAX_FRAME_SIZE, Frame, Handshake, Identity, Kind, Role
@@ -180,7 +186,8 @@ class RpcAgent:
     def __init__(self, name: str, rank: int, secret: bytes, options: AgentOptions) -> None:
         self.options = options
         self.info = WorkerInfo(rank, name)
-        self.identity = Identity(name, rank, os.getpid(), host_identity())
+        self.host = local_host()
+        self.identity = Identity(name, rank, os.getpid(), str(self.host))
         self.address = WorkerAddress(name, rank, self.identity.host)
         self._secret = secret
         self._loop = asyncio.get_running_loop()
@@ -206,6 +213,7 @@ class RpcAgent:
         self._servers: list[asyncio.AbstractServer] = []
         self._admission = Admission(options.max_pending_handshakes)
         self._links: dict[str, Link] = {}  # outgoing, by peer name
+        self._routes = Routes(options.transports, self.host)  # how each peer is dialed
         self._dials: dict[str, asyncio.Future[Link]] = {}
         # Messages waiting for a peer's link, in order: one task sends them all once it
         # is up, so a message made after the link came up cannot overtake them.
@@ -257,7 +265,7 @@ class RpcAgent:
         host can have a CPU of its own (a spinning loop takes one from a busy peer)."""
         if self.options.busy_poll is not None:
             return self.options.busy_poll
-        here = sum(1 for w in workers if w.host == self.identity.host)
+        here = sum(1 for w in workers if self.host.refusal(Host.parse(w.host), KERNEL) is None)
         return DEFAULT_BUSY_POLL if here <= len(os.sched_getaffinity(0)) else 0.0
 
     async def shutdown(self, graceful: bool = True, timeout: float | None = None) -> None:
@@ -548,8 +556,23 @@ class RpcAgent:
         return await asyncio.shield(self._dials[peer])
 
     async def _dial(self, peer: str) -> Link:
+        """A link to ``peer`` on the first route of our plan that answers (a scoped one
+        that nobody answers is remembered, and the next one dialed at once)."""
         target = self._workers[peer]
-        address = self._choose_address(target)
+        while True:
+            route, *fallbacks = self._routes.plan(target)
+            try:
+                link = await self._dial_route(peer, route.address)
+            except PeerLostError as exc:
+                if not fallbacks or not exc.details.get("unreachable"):
+                    raise
+                self._routes.refused(peer, route, exc)
+                log.warning("%s; dialing worker %r on %s", exc, peer, fallbacks[0].scheme)
+                continue
+            self._routes.chosen(peer, route)
+            return link
+
+    async def _dial_route(self, peer: str, address: str) -> Link:
         try:
             async with asyncio.timeout(self.options.connect_timeout):
                 link = await dial(address, lambda: self._new_link(Role.DIALER), worker=peer)
@@ -570,15 +593,6 @@ class RpcAgent:
             raise PeerLostError(f"worker {peer!r} is not at {address}", worker=peer, sent=False)
         self._links[peer] = link
         return link
-
-    def _choose_address(self, target: WorkerAddress) -> str:
-        same_host = target.host == self.identity.host
-        for scheme in self.options.transports:
-            if scheme in target.addresses and (same_host or not SCHEMES[scheme].host_local):
-                return target.addresses[scheme]
-        raise PeerLostError(
-            f"no common transport with worker {target.name!r}", worker=target.name, sent=False
-        )
 
     def _expire(self, call_id: int) -> None:
         call = self._pending.get(call_id)
@@ -727,10 +741,18 @@ class RpcAgent:
             "refused_connections": self._admission.refused,
             "dead_peers": sorted(self._shutdown.dead),
             "shared_memory": self._shared_memory_info(),
+            "links": self._links_info(),
         }
         for extension in self._extensions.values():
             info.update(extension.debug_info())
         return info
+
+    def _links_info(self) -> dict[str, dict[str, Any]]:
+        """For each link we dialed: its transport and shared memory, and why."""
+        return {
+            name: {**self._routes.why(name), **link.sharing}
+            for name, link in sorted(self._links.items())
+        }
 
     def _shared_memory_info(self) -> dict[str, int] | None:
         """Our segment pool's figures, and how much of peers' segments we keep mapped."""

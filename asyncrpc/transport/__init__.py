@@ -3,27 +3,32 @@
 from asyncrpc.transport.admission import Admission
 from asyncrpc.transport.endpoints import SCHEMES, dial, listen
 from asyncrpc.transport.link import Link, LinkHandler, too_large
+from asyncrpc.transport.locality import KERNEL, MEMORY, NETWORK, Host, Scope, local_host
 from asyncrpc.transport.shm import (
     DEFAULT_BUDGET,
     DEFAULT_MAX_IDLE,
     SHM_THRESHOLD,
     SegmentMapper,
     SegmentPool,
-    host_identity,
 )
 
 __all__ = (
     "DEFAULT_BUDGET",
     "DEFAULT_MAX_IDLE",
+    "KERNEL",
+    "MEMORY",
+    "NETWORK",
     "SCHEMES",
     "SHM_THRESHOLD",
     "Admission",
+    "Host",
     "Link",
     "LinkHandler",
     "SegmentMapper",
+    "Scope",
     "SegmentPool",
     "dial",
-    "host_identity",
     "listen",
+    "local_host",
     "too_large",
 )

@@ -3,9 +3,12 @@
 A unix path that starts with ``@`` names a Linux abstract socket (no file to
 clean up).  ``listen`` returns the bound address in the same form, with a real
 port in place of port 0.  A scheme is a :class:`Scheme` in ``SCHEMES``: how to
-listen and dial, what a worker listens on (``listen_target``), and whether it
-reaches only workers of the same host (``host_local``).  The agent asks nothing
-else of a transport, so a new one is a new entry here.
+listen and dial, what a worker listens on (``listen_target``), and, for one that
+reaches only some workers, what they must share with us (``scope``: unix sockets
+reach only the workers of our network namespace; see :mod:`.locality`).  The agent
+asks nothing else of a transport, so a new one is a new entry here.  A dial that
+finds nobody at the address raises ``PeerLostError`` with ``unreachable=True`` (the
+agent then tries the peer's next scheme, if the failed one had a scope).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 from asyncrpc.errors import PeerLostError
+from asyncrpc.transport.locality import NETWORK, Scope
 
 P = TypeVar("P", bound=asyncio.BaseProtocol)
 Factory = Callable[[], asyncio.BaseProtocol]
@@ -28,12 +32,17 @@ class Scheme:
     """One transport: ``listen(factory, rest)`` and ``dial(factory, rest)`` take an
     address without its ``scheme://``; ``listen_target(host, unique)`` is the address a
     worker listens on, given the job's listen host and a name unique on this host;
-    ``host_local`` schemes are used only between workers of one host."""
+    a scheme with a ``scope`` is used only between workers whose hosts share it."""
 
     listen: Callable[[Factory, str], Awaitable[tuple[asyncio.AbstractServer, str]]]
     dial: Callable[[Factory, str], Awaitable[asyncio.BaseProtocol]]
     listen_target: Callable[[str, str], str]
-    host_local: bool = False
+    scope: Scope | None = None
+
+    @property
+    def host_local(self) -> bool:
+        """Whether it reaches only some workers of this host (those of its scope)."""
+        return self.scope is not None
 
 
 def _split(address: str) -> tuple[str, str]:
@@ -91,9 +100,7 @@ async def _dial_unix(factory: Factory, rest: str) -> asyncio.BaseProtocol:
 
 SCHEMES: dict[str, Scheme] = {
     "tcp": Scheme(_listen_tcp, _dial_tcp, lambda host, _: f"tcp://{host}:0"),
-    "unix": Scheme(
-        _listen_unix, _dial_unix, lambda _, unique: f"unix://@{unique}", host_local=True
-    ),
+    "unix": Scheme(_listen_unix, _dial_unix, lambda _, unique: f"unix://@{unique}", scope=NETWORK),
 }
 
 
@@ -110,6 +117,8 @@ async def dial(address: str, factory: Callable[[], P], *, worker: str) -> P:
         protocol = await SCHEMES[scheme].dial(factory, rest)
     except OSError as exc:
         raise PeerLostError(
-            f"cannot connect to worker {worker!r} at {address}: {exc}", worker=worker
+            f"cannot connect to worker {worker!r} at {address}: {exc}",
+            worker=worker,
+            unreachable=True,
         ) from exc
     return protocol  # type: ignore[return-value]

@@ -21,7 +21,10 @@ that message fails and the link stays up.
 
 Sending: ``encode`` turns a message into byte parts (any thread may call it;
 large buffers to a same-host peer are copied into shared-memory segments right
-there), and ``write`` queues parts on the loop.  ``send`` does both on the
+there), and ``write`` queues parts on the loop.  Same-host here means that both
+ends share a kernel, a PID namespace and a user (``locality.MEMORY``), compared
+once the handshake has named the peer's host; ``sharing`` says whether, and why
+(a link between two pods of one node shares none).  ``send`` does both on the
 loop, but copies little there: a message with a buffer of ``SHM_THRESHOLD`` or
 more for a same-host peer is encoded at once (its segments lent, so their keys
 are known, and any encoding error raised to the caller), and its segments are
@@ -81,6 +84,7 @@ from asyncrpc.errors import (
     RemoteProtocolError,
 )
 from asyncrpc.transport.flow import Parts, ReadGate, WriteCoalescer
+from asyncrpc.transport.locality import MEMORY, Host
 from asyncrpc.transport.shm import (
     DEFAULT_BUDGET,
     SHM_THRESHOLD,
@@ -168,7 +172,8 @@ class Link(asyncio.BufferedProtocol):
         self._loop_thread = threading.get_ident()
         self._decoder = FrameDecoder(HANDSHAKE_LIMITS, allocate=allocate)
         self._segments = segments
-        self._same_host = False
+        self._shares_memory = False  # we share memory with the peer: see ``sharing``
+        self._sharing_why = "handshake not done"
         self._max_mapped_bytes = max_mapped_bytes
         self._mapper = SegmentMapper(0)  # the peer's pid is known after the handshake
         self._transport: asyncio.Transport | None = None
@@ -183,6 +188,11 @@ class Link(asyncio.BufferedProtocol):
     def mapped_bytes(self) -> int:
         """Bytes of the peer's segments this link keeps mapped for reuse."""
         return self._mapper.cached_bytes
+
+    @property
+    def sharing(self) -> dict[str, Any]:
+        """Whether large buffers travel through shared memory on this link, and why."""
+        return {"shared_memory": self._lends_segments(), "shared_memory_why": self._sharing_why}
 
     @property
     def peer(self) -> Identity:
@@ -324,10 +334,10 @@ class Link(asyncio.BufferedProtocol):
             )
 
     def _lends_segments(self) -> bool:
-        """Large buffers go through segments: the peer is on this host, and this worker
+        """Large buffers go through segments: we share memory with the peer, and this worker
         has a segment pool (``shared_memory=False`` has none; it still maps the segments
         of a peer that lends them)."""
-        return self._same_host and self._segments is not None
+        return self._shares_memory and self._segments is not None
 
     def _check_size(
         self, kind: int, payload: bytes | memoryview, buffers: Sequence[memoryview], function: str
@@ -544,17 +554,32 @@ class Link(asyncio.BufferedProtocol):
         assert theirs is not None, "announced in the handshake"
         self.max_send_size = min(self.max_frame_size, theirs)
         self._decoder.limits = Limits.established(self.max_frame_size)
-        self._same_host = self.peer.host == self.handshake.local.host
+        self._share_memory_if_proven()
         self._mapper = SegmentMapper(self.peer.pid, self._max_mapped_bytes)
         self.handler.link_established(self)
         if not self.ready.done():
             self.ready.set_result(self)
 
+    def _share_memory_if_proven(self) -> None:
+        """Share memory with the peer if our hosts share what it takes (``MEMORY``)."""
+        ours, theirs = Host.parse(self.handshake.local.host), Host.parse(self.peer.host)
+        refusal = ours.refusal(theirs, MEMORY)
+        self._shares_memory = refusal is None
+        if refusal is not None:
+            self._sharing_why = refusal
+        elif self._segments is None:
+            self._sharing_why = "shared_memory=False here (the peer's segments are mapped)"
+        else:
+            self._sharing_why = f"same {MEMORY.name}"
+
     def _resolve_external(self, frame: Frame) -> None:
         for i, buf in enumerate(frame.buffers):
             if isinstance(buf, ExternalRef):
-                if not self._same_host:
-                    raise RemoteProtocolError("shared-memory buffer from a peer on another host")
+                if not self._shares_memory:
+                    raise RemoteProtocolError(
+                        f"shared-memory buffer from a peer that shares no memory with us "
+                        f"({self._sharing_why})"
+                    )
                 frame.buffers[i] = self._mapper.view(buf, self.segment_released)
 
     # -- closing -------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Theory of operation
 -------------------
 Through a socket a buffer is copied twice (into the kernel, out of it) and the
-receiver faults in fresh pages.  Between processes of one host we do better:
+receiver faults in fresh pages.  Between processes of one kernel, PID namespace and
+user (``locality.MEMORY``: the link checks their hosts) we do better:
 
 * The sender copies the bytes once into a *segment* (a ``memfd`` it maps) and
   sends only ``ExternalRef(key, nbytes)`` in the frame.  A key is the segment's
@@ -93,17 +94,6 @@ COPIER_THREADS: Final = 2
 COPY_PIECE: Final = 4 << 20
 """A copy of more bytes than this is cut in pieces of this size, shared by threads."""
 _MEMFD_NAME: Final = "asyncrpc-segment"
-
-
-def host_identity() -> str:
-    """Processes with equal identities can share memory by descriptor."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        pidns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return f"nohost-{os.getpid()}"  # unique: never matches another process
-    return f"{boot}:{pidns}:{os.getuid()}"
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -27,7 +27,7 @@ from asyncrpc.agent import (
     inbound,
 )
 from asyncrpc.errors import LocalProtocolError
-from asyncrpc.transport import Link
+from asyncrpc.transport import NETWORK, Link
 from tests.in_process import SECRET, joined_agents
 
 pytestmark = pytest.mark.timeout(30)
@@ -519,10 +519,63 @@ async def test_a_scheme_registered_in_schemes_serves_agents_unchanged(
         return server, bound.replace("tcp://", "loop://", 1)
 
     loop_scheme = endpoints.Scheme(
-        listen, tcp.dial, lambda host, _: f"loop://{host}:0", host_local=True
+        listen, tcp.dial, lambda host, _: f"loop://{host}:0", scope=NETWORK
     )
     monkeypatch.setitem(endpoints.SCHEMES, "loop", loop_scheme)
     async with joined_agents("ab", AgentOptions(transports=("loop",), rpc_timeout=10)) as (a, b):
         assert a.address is not None and list(a.address.addresses) == ["loop"]
         assert a.address.addresses["loop"].startswith("loop://127.0.0.1:")
         assert await b.rpc_async("a", operator.add, (2, 3)) == 5
+
+
+async def test_debug_info_says_which_transport_each_link_uses_and_why() -> None:
+    async with joined_agents("ab", AgentOptions(rpc_timeout=10)) as (_, b):
+        assert b.debug_info()["links"] == {}
+        assert await b.rpc_async("a", operator.add, (2, 3)) == 5
+        assert b.debug_info()["links"] == {
+            "a": {
+                "transport": "unix",
+                "why": "same network namespace",
+                "shared_memory": True,
+                "shared_memory_why": "same kernel, PID namespace and user",
+            }
+        }
+
+
+async def test_a_unix_dial_nobody_answers_falls_back_to_tcp_at_once_and_for_good(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The hosts say unix, but nobody listens at the peer's unix address (as when it is
+    in another network namespace that its host does not show): the call goes over tcp
+    at once, and that peer is never dialed on unix again."""
+    from asyncrpc.transport import endpoints
+
+    unix = endpoints.SCHEMES["unix"]
+    dialed: list[str] = []
+
+    async def dial(factory: endpoints.Factory, rest: str) -> asyncio.BaseProtocol:
+        dialed.append(rest)
+        return await unix.dial(factory, rest)
+
+    monkeypatch.setitem(endpoints.SCHEMES, "unix", replace(unix, dial=dial))
+    nobody = f"@asyncrpc-nobody-{os.getpid()}-{id(dialed):x}"
+    async with joined_agents("ab", AgentOptions(rpc_timeout=10)) as (_, b):
+        target = b.resolve("a")
+        b._workers["a"] = replace(
+            target, addresses={**target.addresses, "unix": f"unix://{nobody}"}
+        )
+        assert await b.rpc_async("a", operator.add, (2, 3)) == 5
+        link = b.debug_info()["links"]["a"]
+        assert link["transport"] == "tcp"
+        assert link["why"] == "unix dial failed: [Errno 111] Connection refused"
+        (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert "dialing worker 'a' on tcp" in warning.getMessage()
+
+        b._links["a"].close()  # the next call dials again: on tcp alone
+        for _ in range(200):
+            if "a" not in b._links:
+                break
+            await asyncio.sleep(0.01)
+        assert await b.rpc_async("a", operator.add, (1, 1)) == 2
+        assert b.debug_info()["links"]["a"]["transport"] == "tcp"
+        assert dialed == [nobody]

@@ -49,6 +49,8 @@ from asyncrpc.wire.codec import (
 )
 
 SECRET = b"link-test-secret"
+HOST_A = "boot=a,net=1,pid=1,uid=0"  # a Host's text (see asyncrpc.transport.locality)
+HOST_B = "boot=b,net=1,pid=1,uid=0"  # another kernel
 MiB = 1 << 20
 
 
@@ -160,7 +162,7 @@ def end(
     role: Role,
     name: str,
     *,
-    host: str = "host-a",
+    host: str = HOST_A,
     secret: bytes = SECRET,
     segments: SegmentPool | None = None,
     clock: Callable[[], float] | None = None,
@@ -232,7 +234,7 @@ async def exchange(
 
 
 async def connected(
-    chunk: int | None = None, hosts: tuple[str, str] = ("host-a", "host-a"), **options: Any
+    chunk: int | None = None, hosts: tuple[str, str] = (HOST_A, HOST_A), **options: Any
 ) -> tuple[End, End]:
     """A dialer and a listener (on ``hosts``), handshake done."""
     dialer = end(Role.DIALER, "dialer", host=hosts[0], **options)
@@ -526,7 +528,7 @@ ESTABLISHED_VIOLATIONS = {
 @pytest.mark.parametrize("bad", list(ESTABLISHED_VIOLATIONS))
 async def test_a_bad_frame_after_the_handshake_drops_the_link(bad: str) -> None:
     data, error, match = ESTABLISHED_VIOLATIONS[bad]
-    dialer, listener = await connected(hosts=("host-a", "host-b"))
+    dialer, listener = await connected(hosts=(HOST_A, HOST_B))
     dialer.send(1)
     valid = bytes(dialer.transport.pending)
     dialer.transport.pending.clear()
@@ -805,7 +807,7 @@ async def handshake_over(a: socket.socket, b: socket.socket) -> list[SocketEnd]:
     ends: list[SocketEnd] = []
     for sock, role, name in ((a, Role.DIALER, "dialer"), (b, Role.LISTENER, "listener")):
         owner = Recorder()
-        handshake = Handshake(role, SECRET, Identity(name, 0, os.getpid(), "host-a"))
+        handshake = Handshake(role, SECRET, Identity(name, 0, os.getpid(), HOST_A))
         transport, link = await loop.connect_accepted_socket(
             lambda: Link(owner, handshake, allocate=allocate_bytearray),
             sock,
@@ -1220,13 +1222,47 @@ async def test_encode_puts_large_buffers_in_segments_for_a_same_host_peer(
 
 @shared_memory
 async def test_encode_sends_large_buffers_inline_to_another_host(pool: HeldCopies) -> None:
-    dialer, listener = await connected(segments=pool, hosts=("host-a", "host-b"))
+    dialer, listener = await connected(segments=pool, hosts=(HOST_A, HOST_B))
     parts = dialer.link.encode(Kind.NOTICE, {"i": 1}, b"", [large(8)])
     assert pool.stats["segments_in_use"] == 0
     assert sum(len(p) for p in parts) > SHM_THRESHOLD
     dialer.link.write(parts)
     await exchange(dialer, listener, lambda: len(listener.owner.frames) == 1)
     assert bytes(listener.owner.frames[0].buffers[0]) == bytes(large(8))
+
+
+@shared_memory
+@pytest.mark.parametrize(
+    ("theirs", "why"),
+    [
+        ("boot=a,net=2,pid=2,uid=0", "different PID namespace"),  # another pod of the node
+        ("boot=a,net=1,pid=1,uid=7", "different user"),
+        ("boot=a,net=1,uid=0", "PID namespace unknown"),  # not proven: not assumed
+        ("host-a", "kernel unknown"),  # a form this version does not read
+    ],
+)
+async def test_no_shared_memory_with_a_peer_of_this_kernel_that_cannot_map_it(
+    pool: HeldCopies, theirs: str, why: str
+) -> None:
+    dialer, listener = await connected(segments=pool, hosts=(HOST_A, theirs))
+    assert dialer.link.sharing == {"shared_memory": False, "shared_memory_why": why}
+    dialer.send(1, b"", (large(1),))
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 1)
+    assert not pool.held and pool.stats["segments_in_use"] == 0  # inline, by the socket
+    assert bytes(listener.owner.frames[0].buffers[0]) == bytes(large(1))
+
+
+@shared_memory
+async def test_shared_memory_with_a_peer_of_another_network_namespace(pool: HeldCopies) -> None:
+    """Memory needs the kernel, the PID namespace and the user, not the network."""
+    dialer, listener = await connected(segments=pool, hosts=(HOST_A, "boot=a,net=9,pid=1,uid=0"))
+    why = "same kernel, PID namespace and user"
+    assert dialer.link.sharing == {"shared_memory": True, "shared_memory_why": why}
+    dialer.send(1, b"", (large(1),))
+    pool.finish(0)
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 1)
+    assert pool.stats["segments_in_use"] == 1
+    assert bytes(listener.owner.frames[0].buffers[0]) == bytes(large(1))
 
 
 @shared_memory

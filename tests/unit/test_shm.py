@@ -36,7 +36,6 @@ if sys.platform.startswith("linux"):
         SegmentMapper,
         SegmentPool,
         fill_all,
-        host_identity,
     )
 
 MiB = 1 << 20
@@ -406,56 +405,6 @@ def test_map_segment_of_a_missing_process() -> None:
     # pid_max is at most 2**22 on Linux, so this pid cannot exist.
     with pytest.raises(RemoteProtocolError, match="cannot open"):
         SegmentMapper(2**22 + 17).view(ExternalRef(3, 10), Releases())
-
-
-def identity_in_child() -> str:
-    """``host_identity()`` as another process of this host (a forked child) sees it."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        try:
-            os.write(write, host_identity().encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as f:
-        seen = f.read().decode()
-    assert os.waitpid(pid, 0)[1] == 0
-    return seen
-
-
-def test_processes_of_one_host_share_an_identity_made_of_boot_pid_namespace_and_user() -> None:
-    here = host_identity()
-    assert identity_in_child() == here  # another pid, the same identity
-    with open("/proc/sys/kernel/random/boot_id") as f:
-        boot = f.read().strip()
-    assert here.split(":") == [boot, str(os.stat("/proc/self/ns/pid").st_ino), str(os.getuid())]
-
-
-def test_another_boot_or_user_is_another_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    import io
-
-    from asyncrpc.transport import shm
-
-    here, uid = host_identity(), os.getuid()
-    monkeypatch.setattr(os, "getuid", lambda: uid + 1)
-    assert host_identity() != here  # another user may not open our segments
-    monkeypatch.undo()
-    monkeypatch.setattr(shm, "open", lambda *_: io.StringIO("another-boot"), raising=False)
-    assert host_identity() != here  # a reboot (or a container's own boot id)
-
-
-def test_without_proc_every_process_is_a_host_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    from asyncrpc.transport import shm
-
-    def no_proc(*_: object) -> None:
-        raise FileNotFoundError("/proc is not mounted")
-
-    monkeypatch.setattr(shm, "open", no_proc, raising=False)
-    here = host_identity()
-    assert here == f"nohost-{os.getpid()}"
-    theirs = identity_in_child()
-    assert theirs.startswith("nohost-") and theirs != here
 
 
 # -- the budget ---------------------------------------------------------------------------

@@ -1,0 +1,46 @@
+"""Workers in network namespaces of their own (see tests/integration/test_namespaces.py).
+
+The test runs ``python -m tests.worker namespace_scenarios.NAME ...`` inside ``ip netns
+exec``; the rendezvous address and the address to listen on come from the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+import asyncrpc
+from tests.scenarios import Config, blake, echo, whoami
+
+RENDEZVOUS_ENV = "ASYNCRPC_TEST_RENDEZVOUS_HOST"
+LISTEN_ENV = "ASYNCRPC_TEST_LISTEN_HOST"
+SIZES = (1 << 10, 8 << 20)  # bytes: inline, and past the shared-memory threshold
+
+
+async def exchange(cfg: Config) -> dict[str, Any]:
+    """A small call, then tensors of each of ``SIZES`` to the peer (digested there) and
+    back (echoed), both ranks at once; what went through shared memory; the links."""
+    await asyncrpc.init_rpc(
+        cfg.name,
+        rank=cfg.rank,
+        world_size=cfg.world,
+        init_method=f"tcp://{os.environ[RENDEZVOUS_ENV]}:{cfg.port}",
+        listen_host=os.environ[LISTEN_ENV],
+        transports=("unix", "tcp"),
+        rpc_timeout=30,
+    )
+    peer = f"w{1 - cfg.rank}"
+    seen: dict[str, Any] = {"whoami": await asyncrpc.rpc_async(peer, whoami)}
+    for nbytes in SIZES:
+        sent = torch.arange(nbytes // 4, dtype=torch.int32) * (cfg.rank + 3)
+        digest = await asyncrpc.rpc_async(peer, blake, (sent,))
+        back = await asyncrpc.rpc_async(peer, echo, (sent,))
+        seen[str(nbytes)] = {"digest": digest == blake(sent), "echo": torch.equal(back, sent)}
+    info = asyncrpc.get_debug_info()
+    seen["links"] = info["links"]
+    seen["shared_memory_peak"] = info["shared_memory"]["peak_bytes"]
+    seen["pid"] = os.getpid()
+    await asyncrpc.shutdown()
+    return seen
