@@ -21,10 +21,12 @@ that message fails and the link stays up.
 
 Sending: ``encode`` turns a message into byte parts (any thread may call it;
 large buffers to a same-host peer are copied into shared-memory segments right
-there), and ``write`` queues parts on the loop.  Same-host here means that both
-ends share a kernel, a PID namespace and a user (``locality.MEMORY``), compared
-once the handshake has named the peer's host; ``sharing`` says whether, and why
-(a link between two pods of one node shares none).  ``send`` does both on the
+there), and ``write`` queues parts on the loop.  Same-host here is proven, not
+assumed: in the handshake each end judges the other's probe segment (their hosts
+must share a kernel, a PID namespace and a user, ``locality.MEMORY``, and the probe
+must open and map), and segments are lent only to a peer that could map ours, and
+taken only from one whose probe we mapped; ``sharing`` says whether, and why (a link
+between two pods of one node shares none).  ``send`` does both on the
 loop, but copies little there: a message with a buffer of ``SHM_THRESHOLD`` or
 more for a same-host peer is encoded at once (its segments lent, so their keys
 are known, and any encoding error raised to the caller), and its segments are
@@ -92,6 +94,7 @@ from asyncrpc.transport.shm import (
     SegmentMapper,
     SegmentPool,
     fill_all,
+    open_probe,
 )
 from asyncrpc.wire import (
     HANDSHAKE_LIMITS,
@@ -172,8 +175,9 @@ class Link(asyncio.BufferedProtocol):
         self._loop_thread = threading.get_ident()
         self._decoder = FrameDecoder(HANDSHAKE_LIMITS, allocate=allocate)
         self._segments = segments
-        self._shares_memory = False  # we share memory with the peer: see ``sharing``
-        self._sharing_why = "handshake not done"
+        self._lends = False  # the peer proved it maps our segments, and we have a pool
+        self._takes = False  # we mapped the peer's probe: its segment references are good
+        handshake.offer_memory(None if segments is None else segments.probe_key, self._judge)
         self._max_mapped_bytes = max_mapped_bytes
         self._mapper = SegmentMapper(0)  # the peer's pid is known after the handshake
         self._transport: asyncio.Transport | None = None
@@ -191,8 +195,16 @@ class Link(asyncio.BufferedProtocol):
 
     @property
     def sharing(self) -> dict[str, Any]:
-        """Whether large buffers travel through shared memory on this link, and why."""
-        return {"shared_memory": self._lends_segments(), "shared_memory_why": self._sharing_why}
+        """Whether the large buffers we send travel through shared memory, and why."""
+        if self._lends:
+            why = f"same {MEMORY.name}"
+        elif not self.handshake.established:
+            why = "handshake not done"
+        elif self._segments is None:
+            why = "shared_memory=False here"
+        else:
+            why = self.handshake.peer_maps or "?"
+        return {"shared_memory": self._lends, "shared_memory_why": why}
 
     @property
     def peer(self) -> Identity:
@@ -334,10 +346,10 @@ class Link(asyncio.BufferedProtocol):
             )
 
     def _lends_segments(self) -> bool:
-        """Large buffers go through segments: we share memory with the peer, and this worker
-        has a segment pool (``shared_memory=False`` has none; it still maps the segments
-        of a peer that lends them)."""
-        return self._shares_memory and self._segments is not None
+        """Large buffers go through segments: the peer proved it maps ours, and this
+        worker has a segment pool (``shared_memory=False`` has none; it still maps the
+        segments of a peer that lends them)."""
+        return self._lends
 
     def _check_size(
         self, kind: int, payload: bytes | memoryview, buffers: Sequence[memoryview], function: str
@@ -561,24 +573,26 @@ class Link(asyncio.BufferedProtocol):
             self.ready.set_result(self)
 
     def _share_memory_if_proven(self) -> None:
-        """Share memory with the peer if our hosts share what it takes (``MEMORY``)."""
-        ours, theirs = Host.parse(self.handshake.local.host), Host.parse(self.peer.host)
+        """Lend segments if the peer could map our probe; take its if we mapped its."""
+        self._lends = self.handshake.peer_maps is None and self._segments is not None
+        self._takes = self.handshake.maps_peer is None
+
+    def _judge(self, peer: Identity, probe: int | None) -> str | None:
+        """Whether we can map the (authenticated) peer's segments: None if our hosts share
+        what it takes (``MEMORY``) and its probe opens and maps; else why not."""
+        ours, theirs = Host.parse(self.handshake.local.host), Host.parse(peer.host)
         refusal = ours.refusal(theirs, MEMORY)
-        self._shares_memory = refusal is None
         if refusal is not None:
-            self._sharing_why = refusal
-        elif self._segments is None:
-            self._sharing_why = "shared_memory=False here (the peer's segments are mapped)"
-        else:
-            self._sharing_why = f"same {MEMORY.name}"
+            return refusal
+        return "the peer lends no shared memory" if probe is None else open_probe(peer.pid, probe)
 
     def _resolve_external(self, frame: Frame) -> None:
         for i, buf in enumerate(frame.buffers):
             if isinstance(buf, ExternalRef):
-                if not self._shares_memory:
+                if not self._takes:
                     raise RemoteProtocolError(
                         f"shared-memory buffer from a peer that shares no memory with us "
-                        f"({self._sharing_why})"
+                        f"({self.handshake.maps_peer})"
                     )
                 frame.buffers[i] = self._mapper.view(buf, self.segment_released)
 

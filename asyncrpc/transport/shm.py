@@ -46,6 +46,12 @@ wants it and the free copiers (``COPY_PIECE``): faults and memcpy on every core.
 Unmapping is slow too (the last unmap frees the pages), so mappings are let go
 on the housekeeping thread (:mod:`.housekeeping`).
 
+That a receiver can open and map our segments is proven, not assumed, before
+any is lent to it: each pool holds a *probe*, a one-page segment with a random
+serial (``probe_key``), that a peer opens and maps in the handshake
+(``open_probe``) and says whether it could; a link lends segments only to a peer
+that could (see :mod:`.link`).
+
 A segment is reused only after its receiver released it, so the receiver never
 sees its tensor change.  When a link is lost its in-use segments are closed on
 the sender's side and never reused: a still-living receiver keeps its mapping.
@@ -65,6 +71,7 @@ import itertools
 import logging
 import mmap
 import os
+import secrets
 import threading
 import time
 import weakref
@@ -219,6 +226,13 @@ class SegmentPool:
         self._serials = itertools.count(1)
         self._copiers = Copiers(COPIER_THREADS, "asyncrpc-shm-copy")
         self._copying = 0
+        self._probe = _create_probe()
+
+    @property
+    def probe_key(self) -> int | None:
+        """The key of our probe segment, for a peer to open (None: we could make none,
+        so we lend nothing)."""
+        return None if self._probe is None else self._probe.key
 
     def fill_later(self, fills: list[tuple[Segment, memoryview]]) -> Future[None]:
         """Fill segments on a copier thread; while any copy is in flight, ``copying``
@@ -325,6 +339,8 @@ class SegmentPool:
             self._idle, self._in_use = [], {}
             self._bytes_in_use = self._bytes_idle = 0
         _close_all(segments)  # peers are told nothing: their links go down now
+        if self._probe is not None:
+            self._probe.close()
         housekeeper.drop(segments)
         self._copiers.shutdown()
 
@@ -465,6 +481,26 @@ def _copy_into(destination: _Mapping, source: memoryview, helpers: Copiers | Non
     )
 
 
+def _create_probe() -> Segment | None:
+    """A one-page segment whose serial (random: no pool's count reaches it in practice)
+    only we know until a peer is told it."""
+    try:
+        return _create_segment(GRANULE, secrets.randbits(31) | 1 << 31)
+    except OSError as exc:
+        log.warning("cannot create a shared-memory segment (%s); using the socket", exc)
+        return None
+
+
+def open_probe(pid: int, key: int) -> str | None:
+    """Open and map the probe segment ``key`` of process ``pid``, as its segments would
+    be: None if that works, else why not."""
+    try:
+        _map_segment(pid, ExternalRef(key, 1))
+    except (RemoteProtocolError, OSError) as exc:
+        return f"probe segment not mapped: {exc}"
+    return None
+
+
 def _create_segment(capacity: int, serial: int) -> Segment:
     """A memfd named after ``serial`` (receivers check it) and sized, but not mapped:
     that, and faulting its pages in, happen in ``fill``, off the event loop."""
@@ -519,22 +555,7 @@ class SegmentMapper:
         housekeeper.drop(dropped)
 
     def _map(self, ref: ExternalRef) -> _Mapping:
-        fd_number = ref.key & ((1 << _FD_BITS) - 1)
-        path = f"/proc/{self.pid}/fd/{fd_number}"
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as exc:
-            raise RemoteProtocolError(f"cannot open shared-memory segment {path}: {exc}") from exc
-        try:
-            name = os.readlink(path).split(" ", 1)[0]
-            if name != f"/memfd:{_MEMFD_NAME}-{ref.key >> _FD_BITS}":
-                raise RemoteProtocolError(f"{path} is not an asyncrpc segment of that key")
-            size = os.fstat(fd).st_size
-            if not 0 < ref.nbytes <= size:
-                raise RemoteProtocolError(f"segment {path} does not hold {ref.nbytes} bytes")
-            return _Mapping(fd, size, populate=False)
-        finally:
-            os.close(fd)
+        return _map_segment(self.pid, ref)
 
     def _evict(self) -> None:
         dropped = []
@@ -542,3 +563,32 @@ class SegmentMapper:
             dropped.append(self._cache.popitem(last=False)[1])
             self.cached_bytes -= dropped[-1].nbytes
         housekeeper.drop(dropped)
+
+
+def _map_segment(pid: int, ref: ExternalRef) -> _Mapping:
+    """Open process ``pid``'s segment of ``ref`` (nothing but a memfd of that name is
+    opened, and what was opened is checked too: the number may name another file by
+    then), and map it."""
+    fd_number = ref.key & ((1 << _FD_BITS) - 1)
+    path = f"/proc/{pid}/fd/{fd_number}"
+    name = f"/memfd:{_MEMFD_NAME}-{ref.key >> _FD_BITS}"
+    try:
+        if _memfd_name(path) != name:
+            raise RemoteProtocolError(f"{path} is not an asyncrpc segment of that key")
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        raise RemoteProtocolError(f"cannot open shared-memory segment {path}: {exc}") from exc
+    try:
+        if _memfd_name(f"/proc/self/fd/{fd}") != name:
+            raise RemoteProtocolError(f"{path} is not an asyncrpc segment of that key")
+        size = os.fstat(fd).st_size
+        if not 0 < ref.nbytes <= size:
+            raise RemoteProtocolError(f"segment {path} does not hold {ref.nbytes} bytes")
+        return _Mapping(fd, size, populate=False)
+    finally:
+        os.close(fd)
+
+
+def _memfd_name(path: str) -> str:
+    """What the descriptor at ``path`` (under ``/proc``) names, without " (deleted)"."""
+    return os.readlink(path).split(" ", 1)[0]

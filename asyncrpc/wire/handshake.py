@@ -6,17 +6,22 @@ Both ends hold the job's secret.  Neither ever sends it; each proves it knows it
 by an HMAC over both fresh nonces, both identities and its own role::
 
     dialer                                      listener
-      HELLO {v, identity, nonce_d, max_d}  ->
-                                           <-   CHALLENGE {v, identity, nonce_l, max_l, proof_l}
-      AUTH {proof_d}                       ->
-                                           <-   WELCOME {}
+      HELLO {v, identity, nonce_d, max_d, probe_d}  ->
+                                  <-   CHALLENGE {v, identity, nonce_l, max_l, probe_l, proof_l}
+      AUTH {proof_d, maps_d}                        ->
+                                                    <-   WELCOME {maps_l}
 
 A proof binds the role, so a listener's proof cannot be reflected back as a
 dialer's.  Until the handshake is ESTABLISHED only handshake frames are legal,
 and they carry msgpack metadata only: nothing from an unauthenticated peer is
 ever unpickled.  Each end also announces its ``max_frame_size`` (the largest
 body it accepts), so that once established a sender can refuse a message the
-peer would refuse, and fail only that message (see ``transport.link``).  The
+peer would refuse, and fail only that message (see ``transport.link``).  An end
+that lends shared memory announces its probe segment (``offer_memory``); once the
+peer is authenticated (never before: opening a file on an unproven peer's word is
+a trust it has not earned), each end tries the other's probe with its ``judge``
+and says in ``maps`` whether it could (True) or why not, so a segment is lent only
+to a peer that proved it can map it (``peer_maps``; ours: ``maps_peer``).  The
 machine is events in (``receive(kind, meta)``), messages out (a list of
 ``(kind, meta)`` to send); it owns no socket.  Every transition lives in
 ``_TRANSITIONS``; a message that fits none, or a malformed field, raises
@@ -48,6 +53,10 @@ class Identity:
     rank: int
     pid: int
     host: str
+
+
+Judge = Callable[[Identity, int | None], str | None]
+"""How an end judges a peer's probe segment (see ``Handshake.offer_memory``)."""
 
 
 class Role(Enum):
@@ -88,9 +97,21 @@ class Handshake:
         self.max_frame_size = max_frame_size  # the largest frame body we accept
         self.peer: Identity | None = None
         self.peer_max_frame_size: int | None = None  # the peer's, once it introduced itself
+        self.probe: int | None = None  # our probe segment's key (see offer_memory)
+        self.maps_peer: str | None = "not checked"  # why we cannot map its segments (None: can)
+        self.peer_maps: str | None = "the peer did not say"  # why it cannot map ours
+        self._judge: Judge | None = None
+        self._peer_probe: int | None = None
         self._secret = secret
         self._nonce = secrets.token_bytes(32)
         self._peer_nonce = b""
+
+    def offer_memory(self, probe: int | None, judge: Judge) -> None:
+        """Announce ``probe`` (our probe segment's key; None: we lend nothing) and judge
+        the peer's with ``judge(peer, probe)``: None if we can map its segments, else
+        why not."""
+        self.probe = probe
+        self._judge = judge
 
     @property
     def established(self) -> bool:
@@ -131,26 +152,40 @@ class Handshake:
         self._accept_peer(meta)
         self._check_proof(Role.LISTENER, meta["proof"])
         self.state = State.SENT_AUTH
-        return [(Kind.AUTH, {"proof": self._make_proof(Role.DIALER)})]
+        return [(Kind.AUTH, self._with_maps({"proof": self._make_proof(Role.DIALER)}))]
 
     def _on_auth(self, meta: dict[str, Any]) -> Outgoing:
         self._check_proof(Role.DIALER, meta["proof"])
+        self.peer_maps = _said(meta.get("maps"))
         self.state = State.ESTABLISHED
-        return [(Kind.WELCOME, {})]
+        return [(Kind.WELCOME, self._with_maps({}))]
 
     def _on_welcome(self, meta: dict[str, Any]) -> Outgoing:
+        self.peer_maps = _said(meta.get("maps"))
         self.state = State.ESTABLISHED
         return []
 
     # -- helpers -------------------------------------------------------------------
 
     def _introduction(self) -> dict[str, Any]:
-        return {
+        introduction = {
             "v": PROTOCOL_VERSION,
             **asdict(self.local),
             "nonce": self._nonce,
             "max_frame_size": self.max_frame_size,
         }
+        if self.probe is not None:
+            introduction["probe"] = self.probe
+        return introduction
+
+    def _with_maps(self, message: dict[str, Any]) -> dict[str, Any]:
+        """``message``, saying in ``maps`` whether we can map the (now authenticated)
+        peer's segments (True) or why not, if we judge them at all (``offer_memory``)."""
+        assert self.peer is not None
+        if self._judge is not None:
+            self.maps_peer = self._judge(self.peer, self._peer_probe)
+            message["maps"] = True if self.maps_peer is None else self.maps_peer
+        return message
 
     def _accept_peer(self, meta: dict[str, Any]) -> None:
         if meta["v"] != PROTOCOL_VERSION:
@@ -166,6 +201,10 @@ class Handshake:
         limit = meta["max_frame_size"]
         if type(limit) is not int or limit < 0:
             raise HandshakeError(f"malformed max_frame_size {limit!r} in handshake")
+        probe = meta.get("probe")
+        if probe is not None and (type(probe) is not int or probe < 0):
+            raise HandshakeError(f"malformed probe {probe!r} in handshake")
+        self._peer_probe = probe
         self._peer_nonce = nonce
         self.peer = Identity(name, rank, pid, host)
         self.peer_max_frame_size = limit
@@ -189,6 +228,13 @@ class Handshake:
         if not isinstance(proof, bytes) or not hmac.compare_digest(proof, expected):
             peer = self.peer.name if self.peer else "?"
             raise HandshakeError(f"peer {peer!r} failed authentication (wrong job secret)")
+
+
+def _said(maps: object) -> str | None:
+    """What the peer said in ``maps``: None if it can map our segments, else why not."""
+    if maps is True:
+        return None
+    return maps if type(maps) is str else "the peer did not say it can map our segments"
 
 
 _Step = Callable[[Handshake, dict[str, Any]], Outgoing]

@@ -431,3 +431,64 @@ def test_a_malformed_hello_says_what_is_wrong(name: str, message: str) -> None:
     _, listener = pair()
     with pytest.raises(HandshakeError, match=message):
         listener.receive(Kind.HELLO, HELLO_CORRUPTIONS[name](_hello()))
+
+
+# -- shared memory: probes judged once the peer is authenticated ------------------------
+
+
+class Judge:
+    """A fake judge of the peer's probe: records what it saw, answers ``verdict``."""
+
+    def __init__(self, verdict: str | None) -> None:
+        self.verdict = verdict
+        self.seen: list[tuple[str, int | None]] = []
+
+    def __call__(self, peer: Identity, probe: int | None) -> str | None:
+        self.seen.append((peer.name, probe))
+        return self.verdict
+
+
+def test_each_end_learns_whether_the_other_maps_its_segments() -> None:
+    dialer, listener = pair()
+    dialer_judge, listener_judge = Judge(None), Judge("different PID namespace")
+    dialer.offer_memory(7 << 32 | 5, dialer_judge)
+    listener.offer_memory(9 << 32 | 6, listener_judge)
+    run_to_completion(dialer, listener)
+    assert dialer_judge.seen == [("ps", 9 << 32 | 6)]  # each judged the other's probe once
+    assert listener_judge.seen == [("trainer", 7 << 32 | 5)]
+    assert (dialer.maps_peer, listener.peer_maps) == (None, None)  # the dialer maps its peer's
+    assert listener.maps_peer == dialer.peer_maps == "different PID namespace"
+
+
+def test_probes_are_judged_only_once_the_peer_is_authenticated() -> None:
+    """Opening a file on an unauthenticated peer's word would trust it too early."""
+    dialer, listener = pair(listener_secret=b"another secret")
+    dialer_judge, listener_judge = Judge(None), Judge(None)
+    dialer.offer_memory(1, dialer_judge)
+    listener.offer_memory(2, listener_judge)
+    challenge = single(listener.receive(*single(dialer.start())))
+    assert listener_judge.seen == []  # HELLO came from a peer not yet proven
+    with pytest.raises(HandshakeError, match="failed authentication"):
+        dialer.receive(*challenge)
+    assert dialer_judge.seen == []
+
+
+def test_an_end_that_judges_nothing_says_nothing_and_is_lent_nothing() -> None:
+    dialer, listener = pair()
+    judge = Judge(None)
+    dialer.offer_memory(7, judge)
+    hello = single(dialer.start())
+    challenge = single(listener.receive(*hello))
+    assert "probe" in hello[1] and "probe" not in challenge[1]  # the listener lends nothing
+    welcome = single(listener.receive(*single(dialer.receive(*challenge))))
+    assert welcome == (Kind.WELCOME, {})  # the wire of an end that offers no memory
+    dialer.receive(*welcome)
+    assert judge.seen == [("ps", None)]
+    assert dialer.peer_maps == "the peer did not say it can map our segments"
+
+
+@pytest.mark.parametrize("probe", [-1, "7", 1.5, b"\x07"])
+def test_a_malformed_probe_fails_the_handshake(probe: object) -> None:
+    _, listener = pair()
+    with pytest.raises(HandshakeError, match="malformed probe"):
+        listener.receive(Kind.HELLO, dict(_hello(), probe=probe))

@@ -1253,6 +1253,24 @@ async def test_no_shared_memory_with_a_peer_of_this_kernel_that_cannot_map_it(
 
 
 @shared_memory
+async def test_no_shared_memory_with_a_peer_that_could_not_map_our_probe(
+    pool: HeldCopies,
+) -> None:
+    """The hosts say yes, but the peer cannot open our probe (here: it is closed), so
+    it could not open our segments either: nothing is lent, nothing is lost."""
+    assert pool._probe is not None
+    pool._probe.close()
+    dialer, listener = await connected(segments=pool)
+    sharing = dialer.link.sharing
+    assert sharing["shared_memory"] is False
+    assert sharing["shared_memory_why"].startswith("probe segment not mapped: ")
+    dialer.send(1, b"", (large(1),))
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 1)
+    assert not pool.held and pool.stats["segments_in_use"] == 0  # inline, by the socket
+    assert bytes(listener.owner.frames[0].buffers[0]) == bytes(large(1))
+
+
+@shared_memory
 async def test_shared_memory_with_a_peer_of_another_network_namespace(pool: HeldCopies) -> None:
     """Memory needs the kernel, the PID namespace and the user, not the network."""
     dialer, listener = await connected(segments=pool, hosts=(HOST_A, "boot=a,net=9,pid=1,uid=0"))

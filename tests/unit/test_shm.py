@@ -407,6 +407,53 @@ def test_map_segment_of_a_missing_process() -> None:
         SegmentMapper(2**22 + 17).view(ExternalRef(3, 10), Releases())
 
 
+# -- the probe: proof that a peer can map our segments ---------------------------------
+
+
+def test_a_pools_probe_opens_and_maps_as_its_segments_would(pool: SegmentPool) -> None:
+    key = pool.probe_key
+    assert key is not None and key >> 32 >= 1 << 31  # a serial no count reaches
+    assert shm.open_probe(os.getpid(), key) is None
+    other = SegmentPool()
+    assert other.probe_key != key  # random: each pool's is its own
+    other.close()
+
+
+def test_a_probe_of_another_serial_or_process_is_refused_saying_why(pool: SegmentPool) -> None:
+    key = pool.probe_key
+    assert key is not None
+    wrong = shm.open_probe(os.getpid(), key ^ 1 << 32)
+    assert wrong is not None and wrong.startswith("probe segment not mapped: ")
+    assert wrong.endswith("is not an asyncrpc segment of that key")
+    gone = shm.open_probe(2**22 + 17, key)  # pid_max is at most 2**22: no such process
+    assert gone is not None and "cannot open" in gone
+
+
+def test_a_descriptor_that_is_no_segment_is_never_opened(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer's word names the descriptor: only a memfd of the right name is opened."""
+    opened: list[str] = []
+    real_open = os.open
+    monkeypatch.setattr(
+        os, "open", lambda path, *args: opened.append(path) or real_open(path, *args)
+    )
+    read, write = os.pipe()
+    try:
+        why = shm.open_probe(os.getpid(), 5 << 32 | read)
+    finally:
+        os.close(read)
+        os.close(write)
+    assert why is not None and why.endswith("is not an asyncrpc segment of that key")
+    assert opened == []
+
+
+def test_a_closed_pools_probe_is_gone() -> None:
+    pool = SegmentPool()
+    key = pool.probe_key
+    assert key is not None
+    pool.close()
+    assert shm.open_probe(os.getpid(), key) is not None
+
+
 # -- the budget ---------------------------------------------------------------------------
 
 
