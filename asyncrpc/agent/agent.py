@@ -66,12 +66,14 @@ import functools
 import itertools
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from asyncrpc.agent.dispatch import function_name, unpack_error
 from asyncrpc.agent.inbound import Inbound
+from asyncrpc.agent.metrics import CallMetrics, outcome_of
 from asyncrpc.agent.notices import Notice, Notices, delivered, handle
 from asyncrpc.agent.outgoing import Outgoing
 from asyncrpc.agent.polling import BusyPoller
@@ -177,6 +179,7 @@ class PendingCall:
     peer: str
     function: str
     timeout: float
+    started: float  # perf_counter() when rpc_async was called
     timer: asyncio.TimerHandle | None = None
 
 
@@ -194,6 +197,8 @@ class RpcAgent:
         self._context = contextvars.copy_context()
         self._context.run(_current.set, self)
         self._poller = BusyPoller(0.0, self._worth_polling)  # its window is set in join()
+        self.metrics = CallMetrics()
+        self._bytes_of_lost_links: dict[str, dict[str, int]] = {}
         self._inbound = Inbound(
             name,
             self._context,
@@ -201,6 +206,7 @@ class RpcAgent:
             options.max_running_per_link,
             loads_request=functools.partial(loads_request, self),
             dumps_reply=functools.partial(dumps_reply, self),
+            metrics=self.metrics,
         )
         self._extensions: dict[str, Extension] = {}
         self._segments = (
@@ -435,6 +441,7 @@ class RpcAgent:
             peer,
             name,
             self.options.timeout_for(timeout),
+            time.perf_counter(),
         )
         if call.timeout > 0:
             call.timer = self._loop.call_later(call.timeout, self._expire, call_id)
@@ -616,6 +623,7 @@ class RpcAgent:
         call = self._pending.pop(call_id, None)
         if call is None:
             return
+        self.metrics.made(call.function, outcome_of(error), time.perf_counter() - call.started)
         if call.timer is not None:
             call.timer.cancel()
         if not call.future.done():
@@ -695,6 +703,7 @@ class RpcAgent:
         self._poller.kick()  # a request or a reply left: an answer, or the next call, may follow
 
     def link_lost(self, link: Link, exc: BaseException) -> None:
+        _add_bytes(self._bytes_of_lost_links, link)
         self._admission.settled(link)
         self._inbound.drop_link(link)
         peer = link.handshake.peer
@@ -742,10 +751,24 @@ class RpcAgent:
             "dead_peers": sorted(self._shutdown.dead),
             "shared_memory": self._shared_memory_info(),
             "links": self._links_info(),
+            "thread_pool": self._inbound.pool_stats,
+            "bytes": self._bytes_by_transport(),
+            "calls": self.metrics.snapshot(),
         }
         for extension in self._extensions.values():
             info.update(extension.debug_info())
         return info
+
+    def _bytes_by_transport(self) -> dict[str, dict[str, int]]:
+        """Bytes sent and received so far, per transport (``unix``, ``tcp``, and
+        ``shared_memory`` for buffers that went through segments), links lost included."""
+        totals = {kind: dict(counts) for kind, counts in self._bytes_of_lost_links.items()}
+        for link in [*self._links.values(), *self._inbound.links]:
+            _add_bytes(totals, link)
+        lent = self._segments.stats["bytes_lent"] if self._segments is not None else 0
+        if lent or "shared_memory" in totals:
+            totals.setdefault("shared_memory", {"sent": 0, "received": 0})["sent"] = lent
+        return totals
 
     def _links_info(self) -> dict[str, dict[str, Any]]:
         """For each link we dialed: its transport and shared memory, and why."""
@@ -828,6 +851,18 @@ class RpcAgent:
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._loop
+
+
+def _add_bytes(totals: dict[str, dict[str, int]], link: Link) -> None:
+    """Add ``link``'s byte counts to ``totals`` (transport -> sent, received)."""
+    for kind, sent, received in (
+        (link.transport_kind, link.bytes_sent, link.bytes_received),
+        ("shared_memory", 0, link.shared_bytes_received),  # (sent: the pool counts it)
+    ):
+        if sent or received:
+            counts = totals.setdefault(kind, {"sent": 0, "received": 0})
+            counts["sent"] += sent
+            counts["received"] += received
 
 
 def _busy(exc: BaseException) -> bool:

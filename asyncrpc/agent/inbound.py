@@ -24,7 +24,11 @@ through a pool thread; a new kind, or a slow one, goes to the pool.  (Never for
 user functions: one of those may block on the loop it would be running on.)
 
 Every call ends in exactly one RESPONSE or ERROR frame, unless its link is
-gone (then nobody is waiting).  A reply larger than the caller accepts (its
+gone (then nobody is waiting), and is counted once in the worker's
+:class:`~asyncrpc.agent.metrics.CallMetrics`: its outcome (``ok``, ``error``,
+``cancelled`` when nobody waits any more), the seconds from its request's
+arrival to its reply, and of those, how long it waited to start (for a pool
+call, until a thread took it).  A reply larger than the caller accepts (its
 ``max_frame_size``, announced in the handshake) is not sent: the call's ERROR
 reply is the ``LocalProtocolError`` that says so, and the link stays up.  A
 CANCEL from the caller (its deadline passed) cancels a task or awaitable; a
@@ -49,6 +53,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from asyncrpc.agent.dispatch import Placement, as_exception, describe, pack_error
+from asyncrpc.agent.metrics import CallMetrics
 from asyncrpc.agent.outgoing import Outgoing
 from asyncrpc.agent.runner import Runner
 from asyncrpc.agent.transfer import apply_carried, carried
@@ -97,6 +102,8 @@ class IncomingCall:
     link: Link
     call_id: int
     function: str
+    arrived: float  # perf_counter() when its request was handed up
+    started: float = 0.0  # when its function was called (0: not yet)
 
     def __call__(self, ok: bool, value: Any) -> None:
         self.inbound._reply(self, ok, value)
@@ -129,8 +136,10 @@ class Inbound:
         *,
         loads_request: LoadsRequest,
         dumps_reply: DumpsReply,
+        metrics: CallMetrics,
     ) -> None:
         self.worker = worker
+        self.metrics = metrics
         self.max_running = max_running
         self._context = context
         self._loads_request = loads_request
@@ -138,6 +147,11 @@ class Inbound:
         self._loop = asyncio.get_running_loop()
         self._runner = Runner(threads, f"asyncrpc-{worker}")
         self._links: dict[Link, _LinkCalls] = {}
+
+    @property
+    def pool_stats(self) -> dict[str, int]:
+        """The thread pool's threads, busy ones and queued jobs."""
+        return self._runner.pool_stats
 
     @property
     def slow_threads_busy(self) -> int:
@@ -186,13 +200,14 @@ class Inbound:
         if type(call_id) is not int:
             link.abort(RemoteProtocolError(f"request without a call id from {link.peer.name!r}"))
             return
-        call = IncomingCall(self, link, call_id, str(frame.meta.get("f", "?")))
+        call = IncomingCall(self, link, call_id, str(frame.meta.get("f", "?")), time.perf_counter())
         waits: list[asyncio.Future[Any]] = []
         try:
             func, args, kwargs = self._loads_request(
                 link.peer.rank, frame.payload, frame.buffers, waits=waits
             )
         except Exception as exc:
+            self._count(call, "error")
             self._reply_error(
                 call,
                 SerializationError(
@@ -248,6 +263,7 @@ class Inbound:
         its completion replies."""
         running = self._links[call.link].running
         running[call.call_id] = None  # counted from now on: it may complete at once
+        call.started = time.perf_counter()
         placement = describe(func)[0]
         if placement is Placement.THREAD:  # the reply is encoded in the pool thread too
             func, args, kwargs = self._run_and_encode, (call, func, args, kwargs), {}
@@ -321,6 +337,7 @@ class Inbound:
         kwargs: dict[str, Any],
     ) -> EncodedReply:
         """In a pool thread: a THREAD call's job, its function and its reply's encoding."""
+        call.started = time.perf_counter()  # its wait for a pool thread was queueing too
         reply = self._reply_of(call, func(*args, **kwargs))
         return EncodedReply(reply.encode_for(call.link), reply)  # (abandoned if refused)
 
@@ -328,15 +345,23 @@ class Inbound:
         """Every call's completion: ``value`` is its result (an EncodedReply if it ran in
         a pool thread), or what it raised."""
         if not self._retire(call):
+            self._count(call, "cancelled")
             if ok and type(value) is EncodedReply:
                 value.reply.abandon()  # nobody awaits it
-        elif not ok:
+            return
+        self._count(call, "ok" if ok else "error")
+        if not ok:
             self._reply_failure(call, value)
         elif type(value) is EncodedReply:
             call.link.write(value.parts)
             value.reply.sent()
         else:
             self._send_result(call, value)
+
+    def _count(self, call: IncomingCall, outcome: str) -> None:
+        now = time.perf_counter()
+        started = call.started or now
+        self.metrics.served(call.function, outcome, now - call.arrived, started - call.arrived)
 
     def _send_result(self, call: IncomingCall, result: Any) -> None:
         try:

@@ -55,6 +55,13 @@ class WorkerPool:
             self._idle -= 1
         self._jobs.put((function, args))
 
+    @property
+    def stats(self) -> dict[str, int]:
+        """Threads started, busy with a job, and jobs queued for a free thread."""
+        with self._lock:
+            threads, idle = len(self._threads), self._idle
+        return {"threads": threads, "busy": threads - max(idle, 0), "queued": max(-idle, 0)}
+
     def shutdown(self) -> None:
         """Stop every thread once it has finished its current job; queued jobs are dropped."""
         with self._lock:

@@ -137,6 +137,11 @@ class Runner:
             self._took.clear()
         self._took[key] = seconds
 
+    @property
+    def pool_stats(self) -> dict[str, int]:
+        """The pool's threads, busy ones and queued jobs."""
+        return self._pool.stats
+
     def close(self) -> None:
         """Stop the pool's threads once their current calls end; queued ones never run."""
         self._pool.shutdown()

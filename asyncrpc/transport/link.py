@@ -187,6 +187,11 @@ class Link(asyncio.BufferedProtocol):
         self._reads = ReadGate()
         self._segment_keys: dict[Kind, list[int]] = {}  # RELEASE and UNMAP, batched
         self._handshake_timer = self._loop.call_later(handshake_timeout, self._handshake_expired)
+        self.transport_kind = "?"  # "unix" or "tcp" once connected
+        self.bytes_sent = 0  # through the socket, frames and inline buffers
+        self.bytes_received = 0
+        self.shared_bytes_received = 0  # buffers read from the peer's segments (what we
+        # lent, the pool counts: segments are filled on other threads too)
 
     @property
     def mapped_bytes(self) -> int:
@@ -231,6 +236,8 @@ class Link(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock is not None:
+            self.transport_kind = "unix" if sock.family == socket.AF_UNIX else "tcp"
         self._write_parts(self._writes.resume())
         for kind, meta in self.handshake.start():
             self.send(kind, meta)
@@ -239,6 +246,7 @@ class Link(asyncio.BufferedProtocol):
         return self._decoder.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.bytes_received += nbytes
         self._decoder.buffer_updated(nbytes)
         self._process_frames()
 
@@ -485,6 +493,8 @@ class Link(asyncio.BufferedProtocol):
         if parts and not self.closed:
             assert self._transport is not None, "writes wait until connection_made"
             self._transport.writelines(parts)
+            for part in parts:
+                self.bytes_sent += len(part)
 
     def segment_released(self, key: int) -> None:
         """A mapping of the peer's segment died (any thread): tell the peer, batched."""
@@ -594,7 +604,8 @@ class Link(asyncio.BufferedProtocol):
                         f"shared-memory buffer from a peer that shares no memory with us "
                         f"({self.handshake.maps_peer})"
                     )
-                frame.buffers[i] = self._mapper.view(buf, self.segment_released)
+                frame.buffers[i] = view = self._mapper.view(buf, self.segment_released)
+                self.shared_bytes_received += view.nbytes
 
     # -- closing -------------------------------------------------------------------
 

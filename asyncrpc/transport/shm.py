@@ -223,6 +223,7 @@ class SegmentPool:
         self._peak = 0
         self._fallbacks = 0
         self._fallback_bytes = 0
+        self._bytes_lent = 0  # bytes of the buffers lent segments were asked for, ever
         self._serials = itertools.count(1)
         self._copiers = Copiers(COPIER_THREADS, "asyncrpc-shm-copy")
         self._copying = 0
@@ -268,6 +269,7 @@ class SegmentPool:
                 self._fallback_bytes += nbytes
                 return None
             self._in_use[segment.key] = (segment, owner)
+            self._bytes_lent += nbytes
             segment.lent_to.add(owner)
             self._peak = max(self._peak, self._bytes_in_use + self._bytes_idle)
         return segment
@@ -357,6 +359,7 @@ class SegmentPool:
                 "segments_idle": len(self._idle),
                 "fallbacks": self._fallbacks,
                 "fallback_bytes": self._fallback_bytes,
+                "bytes_lent": self._bytes_lent,
             }
 
     # -- under the lock ------------------------------------------------------------

@@ -525,6 +525,7 @@ def test_default_budget_and_stats() -> None:
             "segments_idle": 0,
             "fallbacks": 0,
             "fallback_bytes": 0,
+            "bytes_lent": 3 * MiB,
         }
     finally:
         pool.close()
