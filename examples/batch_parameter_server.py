@@ -1,22 +1,28 @@
-"""A batch-updating parameter server: one optimizer step per N gradient pushes.
+"""A batch-updating parameter server: one optimizer step per N gradient pushes, with ``@batch``.
 
-This mirrors the parameter server of PyTorch's tutorial "Implementing Batch RPC
-Processing Using Asynchronous Executions", written the asyncio way on asyncrpc, on
-scikit-learn's 8x8 handwritten digits.
+This is the parameter server of PyTorch's tutorial "Implementing Batch RPC Processing
+Using Asynchronous Executions", written the asyncio way on asyncrpc, on scikit-learn's
+8x8 handwritten digits.  The tutorial gathers the pushes by hand (a lock, a future per
+batch, ``@async_execution``); here ``@asyncrpc.functions.batch`` does it.
 
-* Rank 0, ``ps``, loads the digits (a fixed, stratified 80/20 train/test split), makes a
-  :class:`BatchUpdateParameterServer` owned through an ``RRef``, and starts every trainer
-  with ``rpc_async(trainer, run_trainer, (ps_rref, its shard, ...))``.
+* Rank 0, ``ps``, loads the digits (a fixed, stratified 80/20 train/test split), holds the
+  model in a :class:`BatchUpdateParameterServer` and starts every trainer with
+  ``rpc_async(trainer, run_trainer, (its shard, ...))``.
 * Each trainer keeps its own copy of the ConvNet.  Per step it computes the gradients
-  of a mini-batch of its shard locally and pushes them with
-  ``rpc_async(ps, BatchUpdateParameterServer.update_and_fetch_model, (ps_rref, grads))``.
-* That handler is an ``@asyncrpc.functions.async_execution`` function: it runs on the
-  server's event loop, adds the gradients up and returns an asyncio future that no
-  thread waits on.  Once N pushes have arrived (N = ``--batch-update-size``, the number
-  of trainers by default) the server averages them, takes ONE optimizer step, and
-  resolves the future: every waiting trainer gets the new weights in its reply.
-  Everything runs on one event loop, so the server needs no lock.
-* The server reports progress, its update rate, and the final held-out accuracy.
+  of a mini-batch of its shard locally and pushes them, one item, with
+  ``rpc_async("ps", update_and_fetch_model, (grads,))``.
+* ``update_and_fetch_model`` is a module-level function of a *list* of pushes, served
+  with ``@batch(max_size=N, max_wait=--max-wait)`` (N = ``--batch-update-size``, the
+  number of trainers by default).  Once N pushes wait, it averages their gradients,
+  takes ONE optimizer step and returns the new weights to each of the N trainers.  A
+  push that finds no partners within ``--max-wait`` seconds (with N < trainers, the last
+  trainer still training) goes in a smaller batch.  It is a plain function, so it runs
+  in the server's thread pool, off the event loop, one batch at a time: no lock.
+* A batched function travels by name, so it reaches the server's model through a class
+  attribute, ``BatchUpdateParameterServer.serving``.
+* The server reports progress, its update rate, the batch sizes formed
+  (``update_and_fetch_model.stats()``: ``batch sizes formed: {size: batches}`` and
+  ``RESULT mean_batch_size=<pushes / updates>``) and the final held-out accuracy.
 
 Run it::
 
@@ -33,6 +39,7 @@ import argparse
 import asyncio
 import time
 from collections.abc import Iterator
+from typing import ClassVar
 
 import torch
 from _digits import Net, Split, accuracy, digits_split
@@ -41,30 +48,25 @@ from torch import Tensor
 from torch.nn.functional import nll_loss
 
 import asyncrpc
-from asyncrpc.functions import async_execution
+from asyncrpc.functions import batch
 
 Weights = dict[str, Tensor]
 REPORT_EVERY = 50  # steps between progress lines
 
 
 class BatchUpdateParameterServer:
-    """Holds the model; applies one optimizer step per batch of pushed gradients."""
+    """Holds the model on ``ps``; applies one optimizer step per batch of pushed gradients."""
 
-    def __init__(
-        self, trainers: int, batch_update_size: int, lr: float, test_set: tuple[Tensor, Tensor]
-    ) -> None:
+    serving: ClassVar[BatchUpdateParameterServer | None] = None  # on ps: the functions' state
+
+    def __init__(self, lr: float, test_set: tuple[Tensor, Tensor]) -> None:
         self.model = Net()
         self.test_set = test_set
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
-        self.batch_update_size = batch_update_size
-        self.training = trainers  # trainers that have pushes left, or a push unanswered
-        self.pending = 0  # pushes in the batch being gathered
-        self.finishing = 0  # of those, trainers' last pushes
-        self.pushes = 0
         self.updates = 0
-        self.first_push = 0.0
+        self.first_update = 0.0
         self.last_update = 0.0
-        self.next_weights: asyncio.Future[Weights] = asyncio.get_running_loop().create_future()
+        BatchUpdateParameterServer.serving = self
 
     def accuracy(self) -> float:
         return accuracy(self.model, *self.test_set)
@@ -72,83 +74,70 @@ class BatchUpdateParameterServer:
     def weights(self) -> Weights:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
-    @staticmethod
-    def get_model(ps_rref: asyncrpc.RRef[BatchUpdateParameterServer]) -> Weights:
-        return ps_rref.local_value().weights()
-
-    @staticmethod
-    @async_execution
-    def update_and_fetch_model(
-        ps_rref: asyncrpc.RRef[BatchUpdateParameterServer],
-        grads: list[Tensor],
-        last: bool,
-    ) -> asyncio.Future[Weights]:
-        """Add one trainer's gradients; the reply waits for the batch's update."""
-        return ps_rref.local_value().push(grads, last)
-
-    def push(self, grads: list[Tensor], last: bool) -> asyncio.Future[Weights]:
-        if self.pushes == 0:
-            self.first_push = time.monotonic()
-        for param, grad in zip(self.model.parameters(), grads, strict=True):
-            param.grad = grad if param.grad is None else param.grad + grad
-        self.pushes += 1
-        self.pending += 1
-        self.finishing += last
-        answer = self.next_weights
-        # Update once the batch is full, or when every trainer still training is waiting
-        # here (with N < trainers the last pushes may not fill a batch).
-        if self.pending in (self.batch_update_size, self.training):
-            self.update()
-        return answer
-
-    def update(self) -> None:
-        """One optimizer step with the mean of the batch's gradients; answer the batch."""
-        for param in self.model.parameters():
-            if param.grad is not None:
-                param.grad /= self.pending
+    def update(self, pushes: list[list[Tensor]]) -> Weights:
+        """One optimizer step with the mean of the pushes' gradients; the new weights."""
+        if self.updates == 0:
+            self.first_update = time.monotonic()
+        for param, grads in zip(self.model.parameters(), zip(*pushes, strict=True), strict=True):
+            param.grad = torch.stack(grads).mean(dim=0)
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.updates += 1
         self.last_update = time.monotonic()
-        self.training -= self.finishing
-        self.pending = self.finishing = 0
-        self.next_weights.set_result(self.weights())
-        self.next_weights = asyncio.get_running_loop().create_future()
         if self.updates % REPORT_EVERY == 0:
             log(f"[ps] update {self.updates}: held-out accuracy {self.accuracy():.3f}")
+        return self.weights()
 
 
-async def run_trainer(
-    ps_rref: asyncrpc.RRef[BatchUpdateParameterServer],
-    x: Tensor,
-    y: Tensor,
-    steps: int,
-    batch_size: int,
-) -> None:
+def the_server() -> BatchUpdateParameterServer:
+    """The server this worker holds (the functions below run on ps)."""
+    server = BatchUpdateParameterServer.serving
+    assert server is not None, "the parameter server lives on ps"
+    return server
+
+
+def get_model() -> Weights:
+    """The server's current weights (a trainer's first call)."""
+    return the_server().weights()
+
+
+def update_and_fetch_model(pushes: list[list[Tensor]]) -> list[Weights]:
+    """The server's batched update: each push, a trainer's gradients, gets the new weights.
+
+    Batched by :func:`serve_in_batches` at start-up rather than by ``@batch(...)`` here,
+    because its ``max_size``, N, comes from the command line."""
+    weights = the_server().update(pushes)
+    return [weights] * len(pushes)
+
+
+def serve_in_batches(batch_update_size: int, max_wait: float) -> None:
+    """Make ``update_and_fetch_model`` a batched function, as ``@batch(...)`` above it would.
+
+    Every worker does this before joining, so the name means the same everywhere."""
+    global update_and_fetch_model
+    update_and_fetch_model = batch(max_size=batch_update_size, max_wait=max_wait)(
+        update_and_fetch_model
+    )
+
+
+async def run_trainer(x: Tensor, y: Tensor, steps: int, batch_size: int) -> None:
     """A trainer (runs on its own worker): ``steps`` pushes of mini-batch gradients."""
     name = asyncrpc.get_worker_info().name
-    ps = ps_rref.owner()
     model = Net()
-    model.load_state_dict(
-        await asyncrpc.rpc_async(ps, BatchUpdateParameterServer.get_model, (ps_rref,))
-    )
+    model.load_state_dict(await asyncrpc.rpc_async("ps", get_model))
     batches = mini_batches(len(y), batch_size)
     losses: list[float] = []
-    for step in range(steps):
-        batch = next(batches)
-        loss = nll_loss(model(x[batch]), y[batch])
+    for step in range(1, steps + 1):
+        rows = next(batches)
+        loss = nll_loss(model(x[rows]), y[rows])
         model.zero_grad()
         loss.backward()
         grads = [p.grad for p in model.parameters()]
-        last = step == steps - 1
-        weights = await asyncrpc.rpc_async(
-            ps, BatchUpdateParameterServer.update_and_fetch_model, (ps_rref, grads, last)
-        )
-        model.load_state_dict(weights)
+        model.load_state_dict(await asyncrpc.rpc_async("ps", update_and_fetch_model, (grads,)))
         losses.append(loss.item())
-        if (step + 1) % REPORT_EVERY == 0 or last:
+        if step % REPORT_EVERY == 0 or step == steps:
             recent = losses[-REPORT_EVERY:]
-            log(f"[{name}] step {step + 1}/{steps}  loss {sum(recent) / len(recent):.4f}")
+            log(f"[{name}] step {step}/{steps}  loss {sum(recent) / len(recent):.4f}")
 
 
 def log(line: str) -> None:
@@ -169,28 +158,30 @@ async def run_server(
     train_x, train_y, test_x, test_y = data
     shard = len(train_y) // trainers
     steps = (args.epochs or (6 if args.smoke else 15)) * -(-shard // args.batch_size)
-    server = BatchUpdateParameterServer(trainers, batch_update_size, args.lr, (test_x, test_y))
-    ps_rref = asyncrpc.RRef(server)
+    server = BatchUpdateParameterServer(args.lr, (test_x, test_y))
     log(f"[ps] {trainers} trainers x {steps} pushes; one update per {batch_update_size} pushes")
     await asyncio.gather(
         *(
             asyncrpc.rpc_async(
                 f"trainer{i + 1}",
                 run_trainer,
-                (ps_rref, train_x[i::trainers], train_y[i::trainers], steps, args.batch_size),
+                (train_x[i::trainers], train_y[i::trainers], steps, args.batch_size),
                 timeout=0,  # training takes as long as it takes
             )
             for i in range(trainers)
         )
     )
-    elapsed = server.last_update - server.first_push
+    stats = update_and_fetch_model.stats()  # type: ignore[attr-defined]  # by serve_in_batches
+    elapsed = server.last_update - server.first_update
     log(
-        f"server: {server.updates} updates in {elapsed:.1f} s, "
-        f"{server.updates / elapsed:.1f} updates/s ({server.pushes} pushes)"
+        f"server: {stats['batches']} updates in {elapsed:.1f} s, "
+        f"{stats['batches'] / elapsed:.1f} updates/s ({stats['items']} pushes)"
     )
+    log(f"batch sizes formed: {stats['sizes']}")
     held_out = server.accuracy()
     log(f"[ps] held-out accuracy {held_out:.3f} on {len(test_y)} images")
     log(f"RESULT accuracy={held_out:.4f}")
+    log(f"RESULT mean_batch_size={stats['items'] / stats['batches']:.2f}")
 
 
 async def worker(rank: int, world: int, args: argparse.Namespace) -> None:
@@ -200,6 +191,7 @@ async def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     batch_update_size = args.batch_update_size or trainers
     if not 1 <= batch_update_size <= trainers:
         raise SystemExit(f"--batch-update-size must be between 1 and {trainers} (trainers)")
+    serve_in_batches(batch_update_size, args.max_wait)
     # ps loads the data before joining: once in the job, its event loop must stay free
     # to answer peers (a loop blocked for seconds cannot even accept a connection).
     data = digits_split() if rank == 0 else None
@@ -223,6 +215,12 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--epochs", type=int, default=None, help="default 15; 6 with --smoke")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.005, help="Adam learning rate")
+    parser.add_argument(
+        "--max-wait",
+        type=float,
+        default=1.0,
+        help="seconds a push waits for the rest of its batch before a smaller batch goes",
+    )
     return parser
 
 

@@ -88,12 +88,17 @@ class Observer:
         state, _ = self.env.reset()
         rewards: list[float] = []
         for _ in range(max_steps):
-            action = await agent.rpc_async().select_action(self.id, torch.as_tensor(state))
+            action = await self.act(agent, torch.as_tensor(state))
             state, reward, terminated, truncated, _ = self.env.step(action)
             rewards.append(float(reward))
             if terminated or truncated:
                 break
         return rewards
+
+    async def act(self, agent: asyncrpc.RRef[Agent], state: torch.Tensor) -> int:
+        """This step's action: ask the agent, through its RRef."""
+        action: int = await agent.rpc_async().select_action(self.id, state)
+        return action
 
 
 def discounted_returns(rewards: list[float]) -> list[float]:
@@ -108,13 +113,15 @@ def discounted_returns(rewards: list[float]) -> list[float]:
 class Agent:
     """Lives on the agent worker: the policy, its optimizer and the observers' RRefs."""
 
+    observer_type = Observer  # what the agent creates on each observer worker
+
     def __init__(self, observers: int, seed: int, max_steps: int) -> None:
         self.policy = Policy()
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=LR)
         self.max_steps = max_steps
         self.rref = asyncrpc.RRef(self)
         self.observers = [
-            asyncrpc.remote(observer_name(i), Observer, args=(i, seed * 100 + i))
+            asyncrpc.remote(observer_name(i), self.observer_type, args=(i, seed * 100 + i))
             for i in range(observers)
         ]
         # One generator per observer: each one's actions do not depend on call order.

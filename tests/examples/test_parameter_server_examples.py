@@ -9,6 +9,7 @@ asynchronous updates on a loaded machine.
 
 from __future__ import annotations
 
+import ast
 import math
 import re
 
@@ -23,6 +24,7 @@ SERVER_LINE = re.compile(
     r"^server: (\d+) updates in ([\d.]+) s, ([\d.]+) updates/s \((\d+) pushes\)$", re.M
 )
 PLAN_LINE = re.compile(r"^\[ps\] (\d+) trainers x (\d+) pushes; one update per (\d+) pushes$", re.M)
+SIZES_LINE = re.compile(r"^batch sizes formed: (\{.*\})$", re.M)
 
 
 def server_stats(stdout: str) -> dict[str, float]:
@@ -40,6 +42,14 @@ def server_stats(stdout: str) -> dict[str, float]:
     }
 
 
+def batch_sizes(stdout: str) -> dict[int, int]:
+    """The server's ``batch sizes formed: {size: batches}`` line."""
+    line = SIZES_LINE.search(stdout)
+    assert line is not None, stdout
+    sizes: dict[int, int] = ast.literal_eval(line[1])
+    return sizes
+
+
 def test_parameter_server_trains_the_server_model() -> None:
     results = run_example("parameter_server", "--smoke")
     assert results["accuracy"] >= LEARNED
@@ -53,16 +63,24 @@ def test_batch_parameter_server_one_update_per_batch() -> None:
     assert stats["pushes"] == stats["trainers"] * stats["steps"]
     assert stats["updates"] == stats["pushes"] / stats["batch_update_size"]
     assert stats["rate"] > 0
+    assert batch_sizes(stdout) == {2: stats["updates"]}
+    assert results["mean_batch_size"] == 2
 
 
 def test_batch_parameter_server_partial_last_batch() -> None:
     """3 trainers, 2 pushes per update: 3 x 15 pushes cannot all pair up, and once the
-    other trainers are done the last one's pushes must be answered alone (else it would
-    wait forever).  How many go alone depends on the interleaving, hence the bounds."""
-    _, stdout = run_example_with_output(
+    other trainers are done the last one's pushes must be answered alone, each after
+    ``--max-wait`` (else it would wait forever).  How many go alone depends on the
+    interleaving, hence the bounds."""
+    results, stdout = run_example_with_output(
         "batch_parameter_server", "--world", "4", "--batch-update-size", "2", "--epochs", "1"
     )
     stats = server_stats(stdout)
     assert stats["trainers"] == 3 and stats["batch_update_size"] == 2
     assert stats["pushes"] == 3 * stats["steps"]
     assert math.ceil(stats["pushes"] / 2) <= stats["updates"] < stats["pushes"]
+    sizes = batch_sizes(stdout)
+    assert set(sizes) <= {1, 2} and sizes.get(2, 0) > 0, sizes
+    assert sum(sizes.values()) == stats["updates"]
+    assert sum(size * n for size, n in sizes.items()) == stats["pushes"]
+    assert 1 < results["mean_batch_size"] <= 2, results

@@ -11,6 +11,8 @@ the start, which a random policy (about 20 steps) never does; only a learned one
 
 from __future__ import annotations
 
+import ast
+
 import pytest
 
 from tests.examples.runner import run_example, run_example_with_output
@@ -18,6 +20,7 @@ from tests.examples.runner import run_example, run_example_with_output
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
 MIN_REWARD_RATIO = 2.0  # see the module docstring
+OBSERVERS = 4  # batch_rl_agent's default world: 1 agent + 4 observers
 
 
 def test_rl_cartpole_learns() -> None:
@@ -31,3 +34,13 @@ def test_batch_rl_agent_learns_and_reports_speedup() -> None:
     speedup = [line for line in stdout.splitlines() if line.startswith("speedup over the")]
     assert len(speedup) == 1, stdout
     assert float(speedup[0].split(":")[1].strip().rstrip("×")) > 0, speedup  # noqa: RUF001
+    sizes_line = [line for line in stdout.splitlines() if line.startswith("batch sizes formed:")]
+    assert len(sizes_line) == 1, stdout
+    sizes: dict[int, int] = ast.literal_eval(sizes_line[0].partition(":")[2].strip())
+    assert sizes and all(1 <= size <= OBSERVERS for size in sizes), sizes
+    mean = sum(size * n for size, n in sizes.items()) / sum(sizes.values())
+    assert results["mean_batch_size"] == pytest.approx(mean, abs=0.01), (results, sizes)
+    # The observers step together, so most steps' states share a batch (smoke runs: 3.1-3.4
+    # states a batch); short ones are the steps of the last observers still playing, or of
+    # an observer late by over --max-wait on a loaded machine.  Unbatched would be 1.
+    assert 1.5 < results["mean_batch_size"] <= OBSERVERS, results
