@@ -78,6 +78,15 @@ class Batcher:
         self._schedule()
         return future
 
+    def limit(self, *, max_size: int, max_wait: float, max_queue: int) -> None:
+        """New limits for the batches formed from now on (any thread)."""
+        self._queue.max_size, self._queue.max_wait = max_size, max_wait
+        self._queue.max_queue = max_queue
+        if _on_loop(self._loop):
+            self._schedule()
+        elif not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._schedule, context=self._own_context)
+
     def stats(self) -> dict[str, Any]:
         """Batches run by size, items served, and what waits and runs now."""
         return {
@@ -249,6 +258,7 @@ class BatchedFunction(Generic[T, R]):
         self._local: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Batcher] = (
             weakref.WeakKeyDictionary()
         )
+        self._batchers: weakref.WeakSet[Batcher] = weakref.WeakSet()  # everywhere, to configure
 
     async def __call__(self, item: T) -> R:
         """Queue ``item`` for the next batch on this worker and wait for its result.
@@ -271,12 +281,33 @@ class BatchedFunction(Generic[T, R]):
             batcher = next((b for loop, b in self._local.items() if loop.is_running()), None)
         return batcher.stats() if batcher is not None else {}
 
+    def configure(
+        self,
+        *,
+        max_size: int | None = None,
+        max_wait: float | None = None,
+        max_queue: int | None = None,
+    ) -> None:
+        """Change the limits (those given) for the batches formed from now on, here and in
+        every batcher of this process: a server that learns how many callers it has
+        (a command-line option; observers that finished their episodes) says so.  A
+        smaller ``max_size`` or ``max_wait`` may start a batch at once.  Any thread."""
+        size = self.max_size if max_size is None else max_size
+        wait = self.max_wait if max_wait is None else max_wait
+        bound = self.max_queue if max_queue is None else max_queue
+        check_limits(self.rpc_name, max_size=size, max_wait=wait, max_queue=bound)
+        self.max_size, self.max_wait, self.max_queue = size, wait, bound
+        for batcher in list(self._batchers):
+            batcher.limit(max_size=size, max_wait=wait, max_queue=bound)
+
     def new_batcher(self, run: RunBatch, worker: str) -> Batcher:
         """A batcher for this function whose batches ``run`` runs."""
         queue = BatchQueue[Any](
             self.rpc_name, max_size=self.max_size, max_wait=self.max_wait, max_queue=self.max_queue
         )
-        return Batcher(queue, self.max_concurrent, run, worker)
+        batcher = Batcher(queue, self.max_concurrent, run, worker)
+        self._batchers.add(batcher)
+        return batcher
 
     def _batcher(self) -> Batcher:
         agent = current_agent()
@@ -298,8 +329,12 @@ class BatchedFunction(Generic[T, R]):
 
 
 def _on_loop_of(agent: RpcAgent) -> bool:
+    return _on_loop(agent.loop)
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
     try:
-        return asyncio.get_running_loop() is agent.loop
+        return asyncio.get_running_loop() is loop
     except RuntimeError:
         return False
 

@@ -311,6 +311,47 @@ async def test_without_an_agent_a_batch_runs_on_the_callers_loop() -> None:
     assert double.stats()["sizes"] == {4: 1}
 
 
+@batch(max_size=4, max_wait=LONG)
+def resized(items: list[int]) -> list[int]:
+    _record(items)
+    return items
+
+
+@pytest.fixture
+def restore_resized() -> Any:
+    yield
+    resized.configure(max_size=4, max_wait=LONG)
+
+
+async def test_a_smaller_max_size_starts_the_waiting_batch_at_once(
+    pair: tuple[RpcAgent, RpcAgent], restore_resized: None
+) -> None:
+    a, b = pair
+    calls = [a.rpc_async("b", resized, (i,)) for i in range(3)]  # 3 of 4: it waits
+    while _waiting(b, resized) < 3:
+        await asyncio.sleep(0.005)
+    resized.configure(max_size=3)  # only 3 callers are left, say
+    assert await asyncio.gather(*calls) == [0, 1, 2]
+    assert Seen.batches == [[0, 1, 2]]
+
+
+async def test_limits_configured_from_another_thread_apply_to_new_batches(
+    pair: tuple[RpcAgent, RpcAgent], restore_resized: None
+) -> None:
+    a, _ = pair
+    await asyncio.to_thread(resized.configure, max_size=2)
+    assert await asyncio.gather(*(a.rpc_async("b", resized, (i,)) for i in range(4))) == [
+        0,
+        1,
+        2,
+        3,
+    ]
+    assert Seen.batches == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="max_size and max_queue must be >= 1"):
+        resized.configure(max_size=0)
+    assert resized.max_size == 2  # a refused change changes nothing
+
+
 def test_a_batched_function_pickles_by_name() -> None:
     assert pickle.loads(pickle.dumps(double)) is double
     assert double.__name__ == "double" and double.rpc_name.endswith("test_batch_in_process.double")
