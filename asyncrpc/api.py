@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -33,6 +34,7 @@ from asyncrpc.rref import context_for
 from asyncrpc.transport import DEFAULT_BUDGET, DEFAULT_MAX_IDLE
 from asyncrpc.wire import DEFAULT_MAX_FRAME_SIZE
 
+log = logging.getLogger("asyncrpc")
 Target = str | int | WorkerInfo
 T = TypeVar("T")
 
@@ -54,6 +56,8 @@ async def init_rpc(
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
     busy_poll: float | None = None,
     handshake_timeout: float = 10.0,
+    metrics_port: int | None = None,
+    dashboard: bool | None = None,
 ) -> None:
     """Join the job as worker ``name`` and start serving calls.
 
@@ -73,7 +77,12 @@ async def init_rpc(
     a CPU each, else 0.
     ``handshake_timeout`` bounds a new connection's authentication: a peer whose
     event loop is blocked longer cannot be reached meanwhile (keep loops free of
-    long blocking work rather than raising it).  Returns once every worker has joined.
+    long blocking work rather than raising it).
+    ``metrics_port`` (or the environment variable ``ASYNCRPC_METRICS_PORT``) serves
+    ``/metrics`` (Prometheus) and ``/debug`` (JSON) over HTTP on the listen host, at
+    ``metrics_port + rank`` (0: a free port); ``dashboard`` (default: on rank 0 when
+    metrics are served) adds the live job dashboard at ``/``.  See
+    docs/observability.md.  Returns once every worker has joined.
     """
     running = current_agent()
     if running is not None and running.state is not Lifecycle.CLOSED:
@@ -114,6 +123,48 @@ async def init_rpc(
     contexts_of(agent)  # them (get_debug_info) from the start
     agent.store = store
     set_default_agent(agent)
+    port = metrics_port if metrics_port is not None else _port_from_env()
+    if port is not None:
+        await _observe(agent, listen_host, port + rank if port else 0, dashboard, rank)
+
+
+async def _observe(
+    agent: RpcAgent, host: str, port: int, dashboard: bool | None, rank: int
+) -> None:
+    """Serve this worker's metrics (and the dashboard) over HTTP; a port that cannot be
+    had is logged and reported in ``get_debug_info()``, and the job goes on."""
+    from asyncrpc.observability import ObservabilityServer  # noqa: PLC0415 (aiohttp, if asked)
+
+    server = ObservabilityServer(
+        agent, host, port, dashboard=rank == 0 if dashboard is None else dashboard
+    )
+    agent.extension(ObservabilityServer.KEY, lambda _: server)
+    try:
+        url = await server.start()
+    except OSError as exc:
+        server.error = f"cannot serve metrics at {host}:{port}: {exc}"
+        log.error("worker %r: %s", agent.info.name, server.error)
+        return
+    log.info("worker %r serves metrics at %s/metrics", agent.info.name, url)
+
+
+async def _stop_observing(agent: RpcAgent) -> None:
+    server = agent.find_extension(_OBSERVABILITY)
+    if server is not None:
+        await server.stop()  # type: ignore[attr-defined]  # an ObservabilityServer
+
+
+_OBSERVABILITY = "observability"  # ObservabilityServer.KEY, without importing aiohttp
+
+
+def _port_from_env() -> int | None:
+    value = os.environ.get("ASYNCRPC_METRICS_PORT", "")
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"ASYNCRPC_METRICS_PORT={value!r} is not a port number") from None
 
 
 def _from_env(variable: str) -> int:
@@ -201,3 +252,4 @@ async def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
         await agent.shutdown(graceful=graceful, timeout=timeout)
     finally:
         set_default_agent(None)
+        await _stop_observing(agent)

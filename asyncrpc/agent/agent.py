@@ -396,6 +396,11 @@ class RpcAgent:
 
     # -- outgoing calls ------------------------------------------------------------
 
+    @property
+    def workers(self) -> list[WorkerInfo]:
+        """Every worker of the job (this one included), by rank."""
+        return sorted((w.info for w in self._workers.values()), key=lambda info: info.id)
+
     def resolve(self, to: str | int | WorkerInfo) -> WorkerAddress:
         """The worker named by a name, a rank or a WorkerInfo; raises UnknownWorkerError."""
         key = to.name if isinstance(to, WorkerInfo) else to
@@ -812,6 +817,10 @@ class RpcAgent:
         if found is None:
             found = self._extensions[key] = create(self)
         return found  # type: ignore[return-value]  # one key, one type, by convention
+
+    def find_extension(self, key: str) -> Extension | None:
+        """The extension registered under ``key``, if any."""
+        return self._extensions.get(key)
 
     def invoke(
         self,

@@ -20,6 +20,7 @@ ALLOWED: dict[str, set[str]] = {
     "agent": {"errors", "wire", "serde", "transport"},
     "rref": {"errors", "agent", "serde"},
     "serving": {"errors", "agent"},
+    "observability": {"errors", "agent"},
     "autograd": {"errors", "agent", "serde", "rref"},
     "optim": {"errors", "agent", "rref", "autograd"},
     "nn": {"errors", "rref"},
