@@ -73,7 +73,7 @@ from typing import Any, Protocol, TypeVar
 
 from asyncrpc.agent.dispatch import function_name, unpack_error
 from asyncrpc.agent.inbound import Inbound
-from asyncrpc.agent.metrics import CallMetrics, outcome_of
+from asyncrpc.agent.metrics import call_metrics, outcome_of
 from asyncrpc.agent.notices import Notice, Notices, delivered, handle
 from asyncrpc.agent.outgoing import Outgoing
 from asyncrpc.agent.polling import BusyPoller
@@ -197,7 +197,7 @@ class RpcAgent:
         self._context = contextvars.copy_context()
         self._context.run(_current.set, self)
         self._poller = BusyPoller(0.0, self._worth_polling)  # its window is set in join()
-        self.metrics = CallMetrics()
+        self.metrics = call_metrics()
         self._bytes_of_lost_links: dict[str, dict[str, int]] = {}
         self._inbound = Inbound(
             name,

@@ -23,6 +23,7 @@ Prometheus exposition and the dashboard, which live a layer up
 
 from __future__ import annotations
 
+import os
 from bisect import bisect_left
 from typing import Any
 
@@ -126,6 +127,22 @@ class CallMetrics:
             {"seconds": self.served_seconds, "queued_seconds": self.queued_seconds},
         )
         return {"buckets": list(BUCKETS), "made": made, "served": served}
+
+
+class NullMetrics(CallMetrics):
+    """Counts nothing: what a worker keeps with ``ASYNCRPC_METRICS=0`` (to measure what
+    the counting costs; see benchmarks/bench_metrics.py)."""
+
+    def made(self, function: str, outcome: str, seconds: float) -> None:
+        pass
+
+    def served(self, function: str, outcome: str, seconds: float, queued: float) -> None:
+        pass
+
+
+def call_metrics() -> CallMetrics:
+    """Counters for a new agent: on, unless ``ASYNCRPC_METRICS=0``."""
+    return NullMetrics() if os.environ.get("ASYNCRPC_METRICS", "1") == "0" else CallMetrics()
 
 
 def _histogram(table: dict[str, Histogram], function: str) -> Histogram:
