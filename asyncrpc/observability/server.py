@@ -35,6 +35,7 @@ from asyncrpc.agent.metrics import quantile
 from asyncrpc.observability.prometheus import CONTENT_TYPE, exposition
 
 REPORT_TIMEOUT = 1.0  # seconds a worker has to answer the dashboard
+REPORT_LABEL = "dashboard report"  # the name of the dashboard's own calls (as a function)
 STATIC = files("asyncrpc.observability") / "static"
 
 
@@ -120,7 +121,7 @@ async def job_reports(agent: RpcAgent) -> list[dict[str, Any]]:
     """Every worker's report, asked over asyncrpc at once; a silent one is lost."""
     workers = agent.workers
     asked = [
-        agent.rpc_async(w.name, worker_report, timeout=REPORT_TIMEOUT, label="dashboard report")
+        agent.rpc_async(w.name, worker_report, timeout=REPORT_TIMEOUT, label=REPORT_LABEL)
         for w in workers
     ]
     answers = await asyncio.gather(*asked, return_exceptions=True)
@@ -147,12 +148,22 @@ def worker_report() -> dict[str, Any]:
         "state": info["state"],
         "functions": _function_summary(calls),
         "bytes": info.get("bytes", {}),
-        "in_flight": info["pending_outgoing_calls"] + info["running_incoming_calls"],
+        "in_flight": _in_flight(agent, info),
         "owner_rrefs": info.get("owner_rrefs", 0),
         "user_rrefs": info.get("user_rrefs", 0),
         "autograd_contexts": info.get("autograd_contexts", 0),
         "dead_peers": info["dead_peers"],
     }
+
+
+def _in_flight(agent: RpcAgent, info: dict[str, Any]) -> int:
+    """Calls in flight, less the dashboard's own: this report (an incoming call) and,
+    on the worker that serves the dashboard, the reports it still waits for.  (The
+    report runs on a pool thread: the pending calls are copied at once, under the GIL.)"""
+    pending = list(agent._pending.values())
+    asking = sum(call.function == REPORT_LABEL for call in pending)
+    running: int = info["pending_outgoing_calls"] + info["running_incoming_calls"]
+    return max(0, running - 1 - asking)
 
 
 def _function_summary(calls: dict[str, Any]) -> dict[str, dict[str, Any]]:
