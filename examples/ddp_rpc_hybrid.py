@@ -39,13 +39,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from _launch import base_parser, launch
+from _progress import progress, say
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -94,12 +94,6 @@ def make_batch(
 # -- the trainers -------------------------------------------------------------------------
 
 
-def say(line: str) -> None:
-    """Print a line in one write, so lines of processes sharing stdout never mix."""
-    sys.stdout.write(f"{line}\n")
-    sys.stdout.flush()
-
-
 async def train_step(
     model: HybridModel,
     opt: DistributedOptimizer,
@@ -145,7 +139,8 @@ async def run_trainer(
     gen = torch.Generator().manual_seed(1000 + rank)
     scores = teacher()
     epoch_losses = []
-    for epoch in range(plan.epochs):
+    show = rank == 0  # one bar for the job: DDP keeps the trainers in step
+    for epoch in progress(range(plan.epochs), desc=f"[trainer{rank}] epochs", show=show):
         losses = [
             await train_step(model, opt, make_batch(gen, plan.bags, scores))
             for _ in range(plan.batches)

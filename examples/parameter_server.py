@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from _digits import Net, Split, accuracy, digits_split
 from _launch import base_parser, launch
+from _progress import progress, say
 from torch import nn
 from torch.nn.functional import nll_loss
 
@@ -51,7 +52,7 @@ from asyncrpc.optim import DistributedOptimizer
 
 def log(line: str) -> None:
     """Print a line in one write, so that lines from concurrent workers never mix."""
-    print(line + "\n", end="", flush=True)
+    say(line)
 
 
 # --------- Parameter server (rank 0) --------------------
@@ -160,7 +161,8 @@ async def run_training_loop(rank: int, world: int, args: argparse.Namespace) -> 
     )
     batches = -(-len(shard_y) // args.batch_size)
     log(f"[trainer{rank}] {len(shard_y)} training images, {epochs} epochs")
-    for epoch in range(epochs):
+    show = rank == 1  # one bar for the job: the trainers go at about the same pace
+    for epoch in progress(range(epochs), desc=f"[trainer{rank}] epochs", show=show):
         order = torch.randperm(len(shard_y))
         total = 0.0
         for batch in order.split(args.batch_size):

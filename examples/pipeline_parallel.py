@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 from _launch import base_parser, launch
+from _progress import progress, say
 from torch import nn
 
 import asyncrpc
@@ -187,7 +188,7 @@ async def run_master(args: argparse.Namespace) -> None:
     timings = Timings()
     round_losses = []
     gen = torch.Generator().manual_seed(args.seed)
-    for r in range(rounds):
+    for r in progress(range(rounds), desc="[master] rounds"):
         losses = []
         for splits in SPLITS:  # one step of each split per round: timed alike
             batch = torch.randint(0, len(train[0]), (args.batch,), generator=gen)
@@ -200,7 +201,7 @@ async def run_master(args: argparse.Namespace) -> None:
                 timings.step[splits].append(step)
         round_losses.append(sum(losses) / len(losses))
         if r % args.log_every == 0 or r == rounds - 1:
-            print(f"[master] round {r:3d}  loss {round_losses[-1]:.4f}", flush=True)
+            say(f"[master] round {r:3d}  loss {round_losses[-1]:.4f}")
     timings.report()
     print(f"[master] test accuracy {await accuracy(model, test):.1%}", flush=True)
     print(f"RESULT loss_ratio={round_losses[-1] / round_losses[0]:.4g}", flush=True)

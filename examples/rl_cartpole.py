@@ -39,6 +39,7 @@ import time
 import gymnasium as gym
 import torch
 from _launch import base_parser, launch
+from _progress import progress, say
 from torch import nn
 
 import asyncrpc
@@ -169,14 +170,13 @@ async def train(agent: Agent, episodes: int, tag: str = "agent") -> list[float]:
     """Run ``episodes`` episodes with an update after each; the reward of each."""
     history: list[float] = []
     started = time.monotonic()
-    for episode in range(1, episodes + 1):
+    for episode in progress(range(1, episodes + 1), desc=f"[{tag}] episodes"):
         history.append(agent.finish_episode(await agent.run_episode()))
         if episode % 10 == 0 or episode == episodes:
-            print(
+            say(
                 f"[{tag}] episode {episode:4d}  reward {history[-1]:6.1f}  "
                 f"last-10 mean {statistics.fmean(history[-10:]):6.1f}  "
-                f"({time.monotonic() - started:.1f}s)",
-                flush=True,
+                f"({time.monotonic() - started:.1f}s)"
             )
     return history
 

@@ -28,6 +28,7 @@ import time
 
 import torch
 from _launch import base_parser, launch
+from _progress import progress, say
 from torch import nn
 
 import asyncrpc
@@ -252,13 +253,12 @@ async def run_trainer(args: argparse.Namespace) -> None:
     epochs = args.epochs or (20 if args.smoke else 60)
     started = time.monotonic()
     losses = []
-    for epoch in range(epochs):
+    for epoch in progress(range(epochs), desc="[trainer] epochs"):
         losses.append(await train_epoch(model, opt, data, args.bptt))
         if epoch % args.log_every == 0 or epoch == epochs - 1:
-            print(
+            say(
                 f"[trainer] epoch {epoch:3d}  loss {losses[-1]:.3f}  "
-                f"({time.monotonic() - started:.1f}s)",
-                flush=True,
+                f"({time.monotonic() - started:.1f}s)"
             )
     print(f"[trainer] sample: {await sample(model, 'Shall I', 60)!r}", flush=True)
     print(f"RESULT loss_ratio={losses[-1] / losses[0]:.4f}", flush=True)
