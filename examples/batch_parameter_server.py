@@ -12,12 +12,17 @@ batch, ``@async_execution``); here ``@asyncrpc.functions.batch`` does it.
   of a mini-batch of its shard locally and pushes them, one item, with
   ``rpc_async("ps", update_and_fetch_model, (grads,))``.
 * ``update_and_fetch_model`` is a module-level function of a *list* of pushes, served
-  with ``@batch(max_size=N, max_wait=--max-wait)`` (N = ``--batch-update-size``, the
-  number of trainers by default).  Once N pushes wait, it averages their gradients,
-  takes ONE optimizer step and returns the new weights to each of the N trainers.  A
-  push that finds no partners within ``--max-wait`` seconds (with N < trainers, the last
-  trainer still training) goes in a smaller batch.  It is a plain function, so it runs
-  in the server's thread pool, off the event loop, one batch at a time: no lock.
+  with ``@batch``, whose limits the server sets at start-up from the command line
+  (``update_and_fetch_model.configure(max_size=N, max_wait=--max-wait)``; N =
+  ``--batch-update-size``, the number of trainers by default).  Once N pushes wait, it
+  averages their gradients, takes ONE optimizer step and returns the new weights to each
+  of the N trainers.  It is a plain function, so it runs in the server's thread pool,
+  off the event loop, one batch at a time: no lock.
+* When a trainer is done (its ``run_trainer`` returns), the server lowers ``max_size`` to
+  the trainers still pushing if they are fewer than N: with N < trainers, the last
+  trainer's pushes go at once, alone, rather than each waiting ``--max-wait`` for a
+  partner that will not come.  ``--max-wait`` is left for a push whose partners are
+  late.
 * A batched function travels by name, so it reaches the server's model through a class
   attribute, ``BatchUpdateParameterServer.serving``.
 * The server reports progress, its update rate, the batch sizes formed
@@ -38,12 +43,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from typing import ClassVar
 
 import torch
 from _digits import Net, Split, accuracy, digits_split
 from _launch import base_parser, launch
+from _progress import progress, say
 from torch import Tensor
 from torch.nn.functional import nll_loss
 
@@ -101,23 +107,11 @@ def get_model() -> Weights:
     return the_server().weights()
 
 
+@batch  # its limits come from the command line: the server configures them (run_server)
 def update_and_fetch_model(pushes: list[list[Tensor]]) -> list[Weights]:
-    """The server's batched update: each push, a trainer's gradients, gets the new weights.
-
-    Batched by :func:`serve_in_batches` at start-up rather than by ``@batch(...)`` here,
-    because its ``max_size``, N, comes from the command line."""
+    """The server's batched update: each push, a trainer's gradients, gets the new weights."""
     weights = the_server().update(pushes)
     return [weights] * len(pushes)
-
-
-def serve_in_batches(batch_update_size: int, max_wait: float) -> None:
-    """Make ``update_and_fetch_model`` a batched function, as ``@batch(...)`` above it would.
-
-    Every worker does this before joining, so the name means the same everywhere."""
-    global update_and_fetch_model
-    update_and_fetch_model = batch(max_size=batch_update_size, max_wait=max_wait)(
-        update_and_fetch_model
-    )
 
 
 async def run_trainer(x: Tensor, y: Tensor, steps: int, batch_size: int) -> None:
@@ -127,7 +121,8 @@ async def run_trainer(x: Tensor, y: Tensor, steps: int, batch_size: int) -> None
     model.load_state_dict(await asyncrpc.rpc_async("ps", get_model))
     batches = mini_batches(len(y), batch_size)
     losses: list[float] = []
-    for step in range(1, steps + 1):
+    show = name == "trainer1"  # one bar for the job: the trainers step together
+    for step in progress(range(1, steps + 1), desc=f"[{name}] pushes", show=show):
         rows = next(batches)
         loss = nll_loss(model(x[rows]), y[rows])
         model.zero_grad()
@@ -140,9 +135,26 @@ async def run_trainer(x: Tensor, y: Tensor, steps: int, batch_size: int) -> None
             log(f"[{name}] step {step}/{steps}  loss {sum(recent) / len(recent):.4f}")
 
 
+class Pushing:
+    """The trainers still pushing, and the batch size they can still fill."""
+
+    def __init__(self, trainers: int, batch_update_size: int) -> None:
+        self.trainers = trainers
+        self.batch_update_size = batch_update_size
+
+    async def until_done(self, trainer: Awaitable[None]) -> None:
+        """Wait for one trainer's run; then no batch waits for more pushes than are left."""
+        try:
+            await trainer
+        finally:
+            self.trainers -= 1
+        if 0 < self.trainers < self.batch_update_size:
+            update_and_fetch_model.configure(max_size=self.trainers)
+
+
 def log(line: str) -> None:
     """Print a line in one write, so that lines from concurrent workers never mix."""
-    print(line + "\n", end="", flush=True)
+    say(line)
 
 
 def mini_batches(samples: int, batch_size: int) -> Iterator[Tensor]:
@@ -159,19 +171,23 @@ async def run_server(
     shard = len(train_y) // trainers
     steps = (args.epochs or (6 if args.smoke else 15)) * -(-shard // args.batch_size)
     server = BatchUpdateParameterServer(args.lr, (test_x, test_y))
+    update_and_fetch_model.configure(max_size=batch_update_size, max_wait=args.max_wait)
     log(f"[ps] {trainers} trainers x {steps} pushes; one update per {batch_update_size} pushes")
+    pushing = Pushing(trainers, batch_update_size)
     await asyncio.gather(
         *(
-            asyncrpc.rpc_async(
-                f"trainer{i + 1}",
-                run_trainer,
-                (train_x[i::trainers], train_y[i::trainers], steps, args.batch_size),
-                timeout=0,  # training takes as long as it takes
+            pushing.until_done(
+                asyncrpc.rpc_async(
+                    f"trainer{i + 1}",
+                    run_trainer,
+                    (train_x[i::trainers], train_y[i::trainers], steps, args.batch_size),
+                    timeout=0,  # training takes as long as it takes
+                )
             )
             for i in range(trainers)
         )
     )
-    stats = update_and_fetch_model.stats()  # type: ignore[attr-defined]  # by serve_in_batches
+    stats = update_and_fetch_model.stats()
     elapsed = server.last_update - server.first_update
     log(
         f"server: {stats['batches']} updates in {elapsed:.1f} s, "
@@ -191,7 +207,6 @@ async def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     batch_update_size = args.batch_update_size or trainers
     if not 1 <= batch_update_size <= trainers:
         raise SystemExit(f"--batch-update-size must be between 1 and {trainers} (trainers)")
-    serve_in_batches(batch_update_size, args.max_wait)
     # ps loads the data before joining: once in the job, its event loop must stay free
     # to answer peers (a loop blocked for seconds cannot even accept a connection).
     data = digits_split() if rank == 0 else None

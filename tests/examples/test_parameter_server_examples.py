@@ -69,13 +69,16 @@ def test_batch_parameter_server_one_update_per_batch() -> None:
 
 def test_batch_parameter_server_partial_last_batch() -> None:
     """3 trainers, 2 pushes per update: 3 x 15 pushes cannot all pair up, and once the
-    other trainers are done the last one's pushes must be answered alone, each after
-    ``--max-wait`` (else it would wait forever).  How many go alone depends on the
-    interleaving, hence the bounds."""
+    other trainers are done the last one's pushes must be answered alone.  How many go
+    alone depends on the interleaving, hence the bounds.  The server lowers ``max_size``
+    to 1 when only one trainer still pushes, so they go at once: with a ``--max-wait``
+    of 30 s, a lone push that waited for it would make training last over 30 s."""
     results, stdout = run_example_with_output(
-        "batch_parameter_server", "--world", "4", "--batch-update-size", "2", "--epochs", "1"
+        "batch_parameter_server",
+        *("--world", "4", "--batch-update-size", "2", "--epochs", "1", "--max-wait", "30"),
     )
     stats = server_stats(stdout)
+    assert stats["seconds"] < 30, stats
     assert stats["trainers"] == 3 and stats["batch_update_size"] == 2
     assert stats["pushes"] == 3 * stats["steps"]
     assert math.ceil(stats["pushes"] / 2) <= stats["updates"] < stats["pushes"]
