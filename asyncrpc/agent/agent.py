@@ -47,6 +47,16 @@ events (a SHUTDOWN frame, a link established or lost, a dial's outcome) and
 carries out its actions (reach a peer, tell a link, a phase passed).  Each dial
 is bounded by ``connect_timeout``; a call that fails because its dial failed says
 so (``PeerLostError`` with ``sent=False``: it never left, so it may go elsewhere).
+
+Partitions: a tcp link whose peer stays silent for ``silent_peer_timeout`` is
+dropped by the kernel (:mod:`asyncrpc.transport.liveness`), so calls in flight fail
+with ``PeerLostError`` instead of waiting out their timeout.  Once contact with a peer
+is lost (a link lost, a dial failed), the connect of each dial to it is bounded by
+``redial_timeout`` rather than ``connect_timeout``, until a dial succeeds
+(:meth:`~asyncrpc.agent.routes.Routes.lost`): while the partition lasts new calls fail
+within it, and the first call after it heals dials afresh and goes through.  Being
+lost does not stop a peer from being dialed or heard again: the shutdown barrier reaches
+every peer anew at each phase.
 ``shutdown(timeout=...)`` bounds the whole.
 Unbounded by design: ``shutdown(timeout=None)`` waits in phase 1 for live peers
 as long as they live (and for our own calls, each bounded by its timeout unless
@@ -71,6 +81,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from asyncrpc.agent import spans
 from asyncrpc.agent.dispatch import function_name, unpack_error
 from asyncrpc.agent.inbound import Inbound
 from asyncrpc.agent.metrics import call_metrics, outcome_of
@@ -102,6 +113,7 @@ from asyncrpc.serde import allocate_tensor_storage
 from asyncrpc.transport import (
     DEFAULT_BUDGET,
     DEFAULT_MAX_IDLE,
+    DEFAULT_SILENT_PEER_TIMEOUT,
     KERNEL,
     SCHEMES,
     Admission,
@@ -153,7 +165,9 @@ class AgentOptions:
     shared_memory_idle: int = DEFAULT_MAX_IDLE
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     connect_timeout: float = 30.0
+    redial_timeout: float = 1.0  # a connect to a peer we lost contact with
     handshake_timeout: float = 10.0
+    silent_peer_timeout: float = DEFAULT_SILENT_PEER_TIMEOUT  # tcp; 0: kernel defaults
     busy_poll: float | None = None  # None: DEFAULT_BUSY_POLL while this host has a CPU each
     max_running_per_link: int = 4096
     max_pending_handshakes: int = 64  # inbound connections authenticating at once
@@ -166,6 +180,8 @@ class AgentOptions:
     def __post_init__(self) -> None:
         if self.shared_memory_budget < 0 or self.shared_memory_idle < 0:
             raise ValueError("shared_memory_budget and shared_memory_idle must be >= 0")
+        if self.silent_peer_timeout < 0 or self.redial_timeout <= 0:
+            raise ValueError("silent_peer_timeout must be >= 0 and redial_timeout > 0")
         unknown = [t for t in self.transports if t not in SCHEMES]
         if unknown or not self.transports:
             raise ValueError(
@@ -181,6 +197,7 @@ class PendingCall:
     timeout: float
     started: float  # perf_counter() when rpc_async was called
     timer: asyncio.TimerHandle | None = None
+    span: Any = None  # its span in a torch.profiler trace, while one runs (see spans)
 
 
 class RpcAgent:
@@ -448,6 +465,8 @@ class RpcAgent:
             self.options.timeout_for(timeout),
             time.perf_counter(),
         )
+        if spans.profiling():
+            call.span = spans.begin_call(name, peer, call_id, self.info.name)
         if call.timeout > 0:
             call.timer = self._loop.call_later(call.timeout, self._expire, call_id)
         self._pending[call_id] = call
@@ -577,6 +596,7 @@ class RpcAgent:
                 link = await self._dial_route(peer, route.address)
             except PeerLostError as exc:
                 if not fallbacks or not exc.details.get("unreachable"):
+                    self._routes.lost(peer, str(exc))
                     raise
                 self._routes.refused(peer, route, exc)
                 log.warning("%s; dialing worker %r on %s", exc, peer, fallbacks[0].scheme)
@@ -587,7 +607,7 @@ class RpcAgent:
     async def _dial_route(self, peer: str, address: str) -> Link:
         try:
             async with asyncio.timeout(self.options.connect_timeout):
-                link = await dial(address, lambda: self._new_link(Role.DIALER), worker=peer)
+                link = await self._open(peer, address)
                 await link.ready
         except TimeoutError:
             raise PeerLostError(
@@ -605,6 +625,24 @@ class RpcAgent:
             raise PeerLostError(f"worker {peer!r} is not at {address}", worker=peer, sent=False)
         self._links[peer] = link
         return link
+
+    async def _open(self, peer: str, address: str) -> Link:
+        """Connect to ``address`` (the handshake follows); within ``redial_timeout`` if we
+        lost contact with ``peer`` (see :meth:`~asyncrpc.agent.routes.Routes.lost`)."""
+        lost = self._routes.lost_contact(peer)
+        bound = self.options.redial_timeout
+        if lost is None or bound >= self.options.connect_timeout:
+            return await dial(address, lambda: self._new_link(Role.DIALER), worker=peer)
+        try:
+            async with asyncio.timeout(bound):
+                return await dial(address, lambda: self._new_link(Role.DIALER), worker=peer)
+        except TimeoutError:
+            raise PeerLostError(
+                f"worker {peer!r} at {address} did not answer within {bound:g}s "
+                f"(redial_timeout, since contact with it was lost: {lost})",
+                worker=peer,
+                sent=False,
+            ) from None
 
     def _expire(self, call_id: int) -> None:
         call = self._pending.get(call_id)
@@ -629,6 +667,8 @@ class RpcAgent:
         if call is None:
             return
         self.metrics.made(call.function, outcome_of(error), time.perf_counter() - call.started)
+        if call.span is not None:
+            spans.end(call.span)
         if call.timer is not None:
             call.timer.cancel()
         if not call.future.done():
@@ -675,6 +715,7 @@ class RpcAgent:
             segments=self._segments,
             max_mapped_bytes=self.options.shared_memory_budget,
             handshake_timeout=self.options.handshake_timeout,
+            silence_timeout=self.options.silent_peer_timeout,
         )
 
     def _inbound_link(self) -> asyncio.BaseProtocol:
@@ -723,6 +764,8 @@ class RpcAgent:
                 self._mark_dead(peer.name)
             return
         del self._links[peer.name]
+        if not self.state.ending:
+            self._routes.lost(peer.name, str(exc))
         self._mark_dead(peer.name)
         lost = PeerLostError(f"lost connection to worker {peer.name!r}: {exc}", worker=peer.name)
         lost.__cause__ = exc
@@ -817,6 +860,10 @@ class RpcAgent:
         if found is None:
             found = self._extensions[key] = create(self)
         return found  # type: ignore[return-value]  # one key, one type, by convention
+
+    def pending_functions(self) -> list[str]:
+        """The function (or label) of each call this worker made that has not ended."""
+        return [call.function for call in self._pending.values()]
 
     def find_extension(self, key: str) -> Extension | None:
         """The extension registered under ``key``, if any."""

@@ -30,7 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
-from asyncrpc.agent import RpcAgent, current_agent
+from asyncrpc.agent import RpcAgent, current_agent, on_loop
 from asyncrpc.agent.metrics import quantile
 from asyncrpc.observability.prometheus import CONTENT_TYPE, exposition
 
@@ -135,6 +135,7 @@ async def job_reports(agent: RpcAgent) -> list[dict[str, Any]]:
     return reports
 
 
+@on_loop  # quick bookkeeping: read on the loop, where the figures change
 def worker_report() -> dict[str, Any]:
     """This worker's summary for the dashboard (run on each worker over RPC)."""
     agent = current_agent()
@@ -158,10 +159,8 @@ def worker_report() -> dict[str, Any]:
 
 def _in_flight(agent: RpcAgent, info: dict[str, Any]) -> int:
     """Calls in flight, less the dashboard's own: this report (an incoming call) and,
-    on the worker that serves the dashboard, the reports it still waits for.  (The
-    report runs on a pool thread: the pending calls are copied at once, under the GIL.)"""
-    pending = list(agent._pending.values())
-    asking = sum(call.function == REPORT_LABEL for call in pending)
+    on the worker that serves the dashboard, the reports it still waits for."""
+    asking = agent.pending_functions().count(REPORT_LABEL)
     running: int = info["pending_outgoing_calls"] + info["running_incoming_calls"]
     return max(0, running - 1 - asking)
 
