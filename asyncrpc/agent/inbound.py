@@ -28,8 +28,10 @@ gone (then nobody is waiting), and is counted once in the worker's
 :class:`~asyncrpc.agent.metrics.CallMetrics`: its outcome (``ok``, ``error``,
 ``cancelled`` when nobody waits any more), the seconds from its request's
 arrival to its reply, and of those, how long it waited to start (for a pool
-call, until a thread took it).  A reply larger than the caller accepts (its
-``max_frame_size``, announced in the handshake) is not sent: the call's ERROR
+call, until a thread took it); while a torch profiler runs, those moments
+also bound its spans (:mod:`asyncrpc.agent.spans`).  A reply larger than the
+caller accepts (its ``max_frame_size``, announced in the handshake) is not
+sent: the call's ERROR
 reply is the ``LocalProtocolError`` that says so, and the link stays up.  A
 CANCEL from the caller (its deadline passed) cancels a task or awaitable; a
 pool thread cannot be interrupted, and its late result is dropped.  Per link,
@@ -56,6 +58,7 @@ from asyncrpc.agent.dispatch import Placement, as_exception, describe, pack_erro
 from asyncrpc.agent.metrics import CallMetrics
 from asyncrpc.agent.outgoing import Outgoing
 from asyncrpc.agent.runner import Runner
+from asyncrpc.agent.spans import ServedSpan, profiling
 from asyncrpc.agent.transfer import apply_carried, carried
 from asyncrpc.errors import (
     LocalProtocolError,
@@ -104,6 +107,7 @@ class IncomingCall:
     function: str
     arrived: float  # perf_counter() when its request was handed up
     started: float = 0.0  # when its function was called (0: not yet)
+    span: ServedSpan | None = None  # its spans in a torch.profiler trace, while one runs
 
     def __call__(self, ok: bool, value: Any) -> None:
         self.inbound._reply(self, ok, value)
@@ -201,6 +205,8 @@ class Inbound:
             link.abort(RemoteProtocolError(f"request without a call id from {link.peer.name!r}"))
             return
         call = IncomingCall(self, link, call_id, str(frame.meta.get("f", "?")), time.perf_counter())
+        if profiling():
+            call.span = ServedSpan(call.function, link.peer.name, call_id)
         waits: list[asyncio.Future[Any]] = []
         try:
             func, args, kwargs = self._loads_request(
@@ -267,6 +273,8 @@ class Inbound:
         placement = describe(func)[0]
         if placement is Placement.THREAD:  # the reply is encoded in the pool thread too
             func, args, kwargs = self._run_and_encode, (call, func, args, kwargs), {}
+        if call.span is not None:
+            call.span.placed(placement is Placement.THREAD)
         cancel = self._runner.run(
             placement, func, args, kwargs, name=call.function, context=context, done=call
         )
@@ -338,6 +346,8 @@ class Inbound:
     ) -> EncodedReply:
         """In a pool thread: a THREAD call's job, its function and its reply's encoding."""
         call.started = time.perf_counter()  # its wait for a pool thread was queueing too
+        if call.span is not None:
+            call.span.taken()
         reply = self._reply_of(call, func(*args, **kwargs))
         return EncodedReply(reply.encode_for(call.link), reply)  # (abandoned if refused)
 
@@ -361,6 +371,8 @@ class Inbound:
     def _count(self, call: IncomingCall, outcome: str) -> None:
         now = time.perf_counter()
         started = call.started or now
+        if call.span is not None:
+            call.span.ended()
         self.metrics.served(call.function, outcome, now - call.arrived, started - call.arrived)
 
     def _send_result(self, call: IncomingCall, result: Any) -> None:
