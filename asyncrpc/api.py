@@ -31,7 +31,7 @@ from asyncrpc.rendezvous import (
     scoped,
 )
 from asyncrpc.rref import context_for
-from asyncrpc.transport import DEFAULT_BUDGET, DEFAULT_MAX_IDLE
+from asyncrpc.transport import DEFAULT_BUDGET, DEFAULT_MAX_IDLE, DEFAULT_SILENT_PEER_TIMEOUT
 from asyncrpc.wire import DEFAULT_MAX_FRAME_SIZE
 
 log = logging.getLogger("asyncrpc")
@@ -56,6 +56,7 @@ async def init_rpc(
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
     busy_poll: float | None = None,
     handshake_timeout: float = 10.0,
+    silent_peer_timeout: float = DEFAULT_SILENT_PEER_TIMEOUT,
     metrics_port: int | None = None,
     dashboard: bool | None = None,
 ) -> None:
@@ -78,6 +79,11 @@ async def init_rpc(
     ``handshake_timeout`` bounds a new connection's authentication: a peer whose
     event loop is blocked longer cannot be reached meanwhile (keep loops free of
     long blocking work rather than raising it).
+    ``silent_peer_timeout`` (seconds, 0: the kernel's defaults) is how long a tcp
+    peer may stay silent (no acknowledgement, no answer to keepalive probes: a
+    partition, or its host died; a busy process still answers) before its link is
+    dropped and the calls waiting on it fail with ``PeerLostError``; until a dial
+    to it succeeds again, dials to it then wait at most 1 s (see docs/deploy.md).
     ``metrics_port`` (or the environment variable ``ASYNCRPC_METRICS_PORT``) serves
     ``/metrics`` (Prometheus) and ``/debug`` (JSON) over HTTP on the listen host, at
     ``metrics_port + rank`` (0: a free port); ``dashboard`` (default: on rank 0 when
@@ -110,6 +116,7 @@ async def init_rpc(
         max_frame_size=max_frame_size,
         busy_poll=busy_poll,
         handshake_timeout=handshake_timeout,
+        silent_peer_timeout=silent_peer_timeout,
     )
     agent = RpcAgent(name, rank, secret, options)
     me = await agent.start()

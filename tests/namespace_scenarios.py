@@ -12,10 +12,9 @@ from typing import Any
 import torch
 
 import asyncrpc
+from tests.netns import LISTEN_ENV, RENDEZVOUS_ENV
 from tests.scenarios import Config, blake, echo, whoami
 
-RENDEZVOUS_ENV = "ASYNCRPC_TEST_RENDEZVOUS_HOST"
-LISTEN_ENV = "ASYNCRPC_TEST_LISTEN_HOST"
 SIZES = (1 << 10, 8 << 20)  # bytes: inline, and past the shared-memory threshold
 
 

@@ -14,6 +14,14 @@ dial that finds nobody at a scoped address (``PeerLostError(unreachable=True)``)
 proves them wrong, so the agent tries the next route at once, and ``refused``
 remembers the failure: that peer is never dialed on that scheme again.  ``chosen``
 records the route a link was made on, and ``why`` says which and why (the debug info).
+
+Contact lost: once a link with a peer is lost or a dial to it fails (``lost``), the
+agent bounds the connect of each dial to that peer by ``redial_timeout`` instead of
+``connect_timeout`` (``lost_contact`` says since what), until a dial succeeds
+(``chosen``).  One rule makes calls fail fast during a partition (a connect into a
+silent network would wait for the whole ``connect_timeout``) and lets the first call
+after it heal: every call dials afresh.  Only the connect is bounded, which the peer's
+kernel answers however busy its process is; the handshake keeps its own bound.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ class Routes:
         self.here = here
         self._refused: dict[tuple[str, str], str] = {}  # (peer, scheme) -> why
         self._chosen: dict[str, Route] = {}
+        self._lost: dict[str, str] = {}  # peer -> why contact with it was lost
 
     def plan(self, target: WorkerAddress) -> list[Route]:
         """The routes to try, in order (each but the last has a scope); raises
@@ -70,8 +79,18 @@ class Routes:
         self._refused[peer, route.scheme] = f"{route.scheme} dial failed: {_cause(exc)}"
 
     def chosen(self, peer: str, route: Route) -> None:
-        """A link to ``peer`` was made on ``route``."""
+        """A link to ``peer`` was made on ``route``: contact with it is back, if it was lost."""
         self._chosen[peer] = route
+        self._lost.pop(peer, None)
+
+    def lost(self, peer: str, why: str) -> None:
+        """Our link with ``peer`` was lost, or a dial to it failed (``why``); the first
+        loss is kept until contact is back."""
+        self._lost.setdefault(peer, why)
+
+    def lost_contact(self, peer: str) -> str | None:
+        """Why contact with ``peer`` was lost, if it is; None while it is not."""
+        return self._lost.get(peer)
 
     def why(self, peer: str) -> dict[str, str]:
         """The transport of our link to ``peer`` and why it was chosen (empty before)."""

@@ -3,6 +3,7 @@
 from asyncrpc.transport.admission import Admission
 from asyncrpc.transport.endpoints import SCHEMES, dial, listen
 from asyncrpc.transport.link import Link, LinkHandler, too_large
+from asyncrpc.transport.liveness import DEFAULT_SILENT_PEER_TIMEOUT
 from asyncrpc.transport.locality import KERNEL, MEMORY, NETWORK, Host, Scope, local_host
 from asyncrpc.transport.shm import (
     DEFAULT_BUDGET,
@@ -15,6 +16,7 @@ from asyncrpc.transport.shm import (
 __all__ = (
     "DEFAULT_BUDGET",
     "DEFAULT_MAX_IDLE",
+    "DEFAULT_SILENT_PEER_TIMEOUT",
     "KERNEL",
     "MEMORY",
     "NETWORK",

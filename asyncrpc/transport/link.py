@@ -61,13 +61,16 @@ the tensor it just dropped, and the peer can reuse that segment for its reply).
 
 Any protocol violation or transport error closes the Link; ``link_lost`` is
 then called exactly once, with the cause, so the owner can fail every call
-that was waiting on this peer.
+that was waiting on this peer.  A tcp link also has the kernel drop it once the
+peer stays silent for ``silence_timeout`` seconds (:mod:`.liveness`): a silent
+peer is lost, not slow forever.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import socket
@@ -86,6 +89,7 @@ from asyncrpc.errors import (
     RemoteProtocolError,
 )
 from asyncrpc.transport.flow import Parts, ReadGate, WriteCoalescer
+from asyncrpc.transport.liveness import DEFAULT_SILENT_PEER_TIMEOUT, detect_silence
 from asyncrpc.transport.locality import MEMORY, Host
 from asyncrpc.transport.shm import (
     DEFAULT_BUDGET,
@@ -118,6 +122,10 @@ INLINE_COPY_MAX = 4 << 20
 runs on the loop: it costs other work no more than a trip to a copier thread and back
 would cost this message (docs/architecture.md, "Copies off the loop")."""
 Fills = list[tuple[Segment, memoryview]]
+_SILENT = (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH)
+"""How the kernel reports a tcp connection it dropped for silence (``.liveness``): timed
+out, with the last ICMP or neighbour error if there was one (the peer's own errors,
+such as a reset, arrive at once and say something else)."""
 
 
 @dataclass(slots=True)
@@ -162,6 +170,7 @@ class Link(asyncio.BufferedProtocol):
         segments: SegmentPool | None = None,
         max_mapped_bytes: int = DEFAULT_BUDGET,
         handshake_timeout: float = 10.0,
+        silence_timeout: float = DEFAULT_SILENT_PEER_TIMEOUT,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.handler = handler
@@ -187,6 +196,7 @@ class Link(asyncio.BufferedProtocol):
         self._reads = ReadGate()
         self._segment_keys: dict[Kind, list[int]] = {}  # RELEASE and UNMAP, batched
         self._handshake_timer = self._loop.call_later(handshake_timeout, self._handshake_expired)
+        self.silence_timeout = silence_timeout  # tcp only; 0: the kernel's defaults
         self.transport_kind = "?"  # "unix" or "tcp" once connected
         self.bytes_sent = 0  # through the socket, frames and inline buffers
         self.bytes_received = 0
@@ -236,6 +246,7 @@ class Link(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            detect_silence(sock, self.silence_timeout)
         if sock is not None:
             self.transport_kind = "unix" if sock.family == socket.AF_UNIX else "tcp"
         self._write_parts(self._writes.resume())
@@ -290,7 +301,15 @@ class Link(asyncio.BufferedProtocol):
         return False
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        error = self._lost_error(f"connection lost ({exc or 'closed'})")
+        if isinstance(exc, OSError) and exc.errno in _SILENT and self.silence_timeout > 0:
+            what = (
+                f"silent for {self.silence_timeout:g}s (silent_peer_timeout): no answer to "
+                f"our bytes or keepalive probes ({exc.strerror}); a network partition, or "
+                "its host is down"
+            )
+        else:
+            what = f"connection lost ({exc or 'closed'})"
+        error = self._lost_error(what)
         error.__cause__ = exc
         self._finish(error)
 

@@ -4,110 +4,23 @@ link must be tcp, and the debug info must say why.  Needs root and iproute2's ``
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 
-from tests.cluster import ROOT, Worker, free_port
-from tests.namespace_scenarios import LISTEN_ENV, RENDEZVOUS_ENV, SIZES
+from tests.cluster import Worker
+from tests.namespace_scenarios import SIZES
+from tests.netns import NEEDS_ROOT_AND_IP, Namespace, run_in_namespaces, veth_pair
 
-pytestmark = [
-    pytest.mark.timeout(120),
-    pytest.mark.skipif(
-        not sys.platform.startswith("linux") or shutil.which("ip") is None,
-        reason="network namespaces need Linux and iproute2's `ip`",
-    ),
-    pytest.mark.skipif(
-        not hasattr(os, "geteuid") or os.geteuid() != 0,
-        reason="creating network namespaces and veth pairs needs root",
-    ),
-]
-IP_TIMEOUT = 10.0  # seconds, per `ip` command
-JOB_TIMEOUT = 90.0  # seconds, for both workers together
-
-
-@dataclass(frozen=True)
-class Namespace:
-    name: str
-    address: str  # its end of the veth pair
-
-
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=IP_TIMEOUT)
+pytestmark = [pytest.mark.timeout(120), *NEEDS_ROOT_AND_IP]
 
 
 @pytest.fixture
 def namespaces() -> Iterator[tuple[Namespace, Namespace]]:
-    """Two fresh network namespaces joined by a veth pair, 10.213.N.1 and .2/24 (N from
-    our pid: unique among concurrent runs of this machine); deleted (with the pair)
-    whatever happens."""
-    tag = f"{os.getpid() % 100000}"
-    subnet = f"10.213.{os.getpid() % 250 + 1}"
-    pair = (Namespace(f"arpc{tag}a", f"{subnet}.1"), Namespace(f"arpc{tag}b", f"{subnet}.2"))
-    veths = (f"arv{tag}a", f"arv{tag}b")  # interface names: 15 characters at most
-    try:
-        try:
-            for ns in pair:
-                ip("netns", "add", ns.name)
-        except subprocess.CalledProcessError as exc:
-            pytest.skip(f"cannot create a network namespace here: {exc.stderr.decode().strip()}")
-        ip("link", "add", veths[0], "type", "veth", "peer", "name", veths[1])
-        for ns, veth in zip(pair, veths, strict=True):
-            ip("link", "set", veth, "netns", ns.name)
-            ip("-n", ns.name, "addr", "add", f"{ns.address}/24", "dev", veth)
-            ip("-n", ns.name, "link", "set", veth, "up")
-            ip("-n", ns.name, "link", "set", "lo", "up")
+    """Two network namespaces joined by a veth pair (see tests/netns.py)."""
+    with veth_pair() as pair:
         yield pair
-    finally:
-        undo = [("link", "del", veths[0]), *(("netns", "del", ns.name) for ns in pair)]
-        for args in undo:  # a pair moved into the namespaces goes with them
-            subprocess.run(["ip", *args], check=False, capture_output=True, timeout=IP_TIMEOUT)
-
-
-def run_in_namespaces(
-    pair: tuple[Namespace, Namespace], scenario: str, wrap: tuple[str, ...] = ()
-) -> list[Worker]:
-    """Rank r of ``scenario`` in ``pair[r]`` (under ``wrap``, a command prefix), the
-    rendezvous at rank 0's address; both bounded by JOB_TIMEOUT."""
-    port = free_port()
-    procs = []
-    for rank, ns in enumerate(pair):
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "PYTHONUNBUFFERED": "1",
-            RENDEZVOUS_ENV: pair[0].address,
-            LISTEN_ENV: ns.address,
-        }
-        command = [sys.executable, "-m", "tests.worker", scenario, str(rank), "2", str(port)]
-        procs.append(
-            subprocess.Popen(
-                ["ip", "netns", "exec", ns.name, *wrap, *command, "uvloop", "tcp"],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    try:
-        workers = []
-        for rank, proc in enumerate(procs):
-            out, err = proc.communicate(timeout=JOB_TIMEOUT)
-            workers.append(Worker(rank, proc.returncode, out, err))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate(timeout=IP_TIMEOUT)
-    for worker in workers:
-        assert worker.returncode == 0, "\n".join(w.describe() for w in workers)
-    return workers
 
 
 def assert_exchanged(worker: Worker) -> dict[str, object]:

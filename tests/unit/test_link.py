@@ -11,6 +11,7 @@ turns, and the coalescing clock is the test's.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import socket
 import sys
@@ -29,6 +30,7 @@ from asyncrpc.errors import (
 )
 from asyncrpc.transport.flow import COALESCE_WITHIN, FLUSH_PARTS
 from asyncrpc.transport.link import FRAMES_PER_TURN, INLINE_COPY_MAX, Link
+from asyncrpc.transport.liveness import DEFAULT_SILENT_PEER_TIMEOUT, silence_options
 from asyncrpc.transport.shm import SHM_THRESHOLD, Segment, SegmentPool, fill_all
 from asyncrpc.wire import (
     Allocator,
@@ -600,6 +602,25 @@ async def test_connection_lost_is_reported_once_with_its_cause() -> None:
     assert error.details == {"worker": "dialer"}
 
 
+@pytest.mark.parametrize(
+    "cause",
+    [
+        TimeoutError(errno.ETIMEDOUT, "Connection timed out"),
+        OSError(errno.EHOSTUNREACH, "No route to host"),  # timed out, after an ICMP error
+    ],
+)
+async def test_a_connection_the_kernel_timed_out_is_a_silent_peer(cause: OSError) -> None:
+    """No acknowledgement or keepalive answer for ``silence_timeout``."""
+    _dialer, listener = await connected()
+    listener.link.connection_lost(cause)
+    (error,) = listener.owner.lost
+    assert isinstance(error, PeerLostError) and error.__cause__ is cause
+    assert str(error) == (
+        "worker 'dialer': silent for 10s (silent_peer_timeout): no answer to our bytes or "
+        f"keepalive probes ({cause.strerror}); a network partition, or its host is down"
+    )
+
+
 async def test_a_connection_lost_without_a_cause_or_before_the_handshake_says_so() -> None:
     listener = end(Role.LISTENER, "listener")
     listener.link.connection_lost(None)
@@ -835,7 +856,7 @@ async def send_one_and_close(ends: list[SocketEnd]) -> None:
     raise AssertionError("not closed in 100 loop turns")
 
 
-async def test_a_tcp_link_turns_nagle_off_and_buffers_up_to_4_mib() -> None:
+async def test_a_tcp_link_turns_nagle_off_buffers_up_to_4_mib_and_detects_silence() -> None:
     with socket.create_server(("127.0.0.1", 0)) as server:
         client = socket.create_connection(server.getsockname())
         accepted, _ = server.accept()
@@ -845,6 +866,8 @@ async def test_a_tcp_link_turns_nagle_off_and_buffers_up_to_4_mib() -> None:
         sock = transport.get_extra_info("socket")
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
         assert transport.get_write_buffer_limits() == (1 << 20, 4 << 20)
+        for level, option, value in silence_options(DEFAULT_SILENT_PEER_TIMEOUT):
+            assert sock.getsockopt(level, option) == value  # a silent peer is dropped
     await send_one_and_close(ends)
 
 

@@ -78,3 +78,14 @@ def test_why_reports_the_route_a_link_was_made_on() -> None:
     tcp = routes.plan(peer(Host(boot="b1", net="n2", pid="p1", uid="0")))[0]
     routes.chosen("w1", tcp)
     assert routes.why("w1") == {"transport": "tcp", "why": "different network namespace"}
+
+
+def test_contact_lost_is_remembered_from_its_first_cause_until_a_dial_succeeds() -> None:
+    routes = Routes(("tcp",), HERE)
+    assert routes.lost_contact("w1") is None
+    routes.lost("w1", "silent for 10s")
+    routes.lost("w1", "no route to host")  # the outage goes on: its start is kept
+    assert routes.lost_contact("w1") == "silent for 10s"
+    assert routes.lost_contact("w2") is None  # only for that peer
+    routes.chosen("w1", routes.plan(peer(Host(boot="b2")))[0])
+    assert routes.lost_contact("w1") is None
