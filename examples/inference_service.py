@@ -23,8 +23,9 @@ computes the same numbers).
   model worker (``PeerLostError``) is 503, at once; a model call that times out, 504.
   Predictions have no side effects, so the replicas are ``idempotent``: a call lost
   with its worker is sent to another one.
-* ``GET /health`` asks every model worker for its batching figures and reports each one
-  as live or not, with the calls it has outstanding (503 when none is live).
+* ``GET /health`` asks every model worker how many forward passes it ran over how many
+  rows, and reports each one as live or not, with the calls it has outstanding (503
+  when none is live).
 
 By default it runs a short demo against itself: concurrent clients send JSON and raw
 requests, check every answer against the same MLP computed locally, and halfway through
@@ -72,7 +73,7 @@ from asyncrpc.functions import batch
 from asyncrpc.serving import Replicas
 
 FEATURES, HIDDEN, CLASSES = 16, 64, 4
-DEPTH = 160  # hidden blocks: a forward pass costs about as much for 1 row as for 64
+DEPTH = 256  # hidden blocks: a forward pass costs about as much for 1 row as for 64
 WEIGHTS_SEED = 2024
 MAX_ROWS = 1024  # rows per request
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16}
@@ -115,6 +116,8 @@ class Loaded:
 
     net: nn.Module | None = None
     delay = 0.0  # extra seconds per forward pass (--model-delay: a slower model)
+    passes = 0  # forward passes run
+    rows = 0  # rows they ran over
 
 
 async def forward(rows: Tensor) -> Tensor:
@@ -132,6 +135,8 @@ async def forward(rows: Tensor) -> Tensor:
         await asyncio.sleep(Loaded.delay)  # a slower model, say one waiting on a device
     with torch.no_grad():
         out: Tensor = Loaded.net(rows)
+    Loaded.passes += 1
+    Loaded.rows += len(rows)
     return out
 
 
@@ -147,9 +152,10 @@ async def predict_one(row: Tensor) -> Tensor:
 
 
 async def worker_status() -> dict[str, Any]:
-    """A model worker's batching figures (``/health`` asks each worker for them)."""
-    stats = predict_rows.stats()  # {} before its first call
-    return {key: stats.get(key, 0) for key in ("batches", "items", "waiting", "running")}
+    """A model worker's figures (``/health`` asks each worker for them): forward passes
+    and the rows they ran over, and the rows waiting for a batch."""
+    waiting = predict_rows.stats().get("waiting", 0)  # {} before its first call
+    return {"passes": Loaded.passes, "rows": Loaded.rows, "waiting": waiting}
 
 
 def load_model(args: argparse.Namespace) -> None:
@@ -261,7 +267,7 @@ class Frontend:
         return torch.stack(outputs)
 
     async def health(self) -> dict[str, Any]:
-        """Each model worker: live or not, its outstanding calls and batching figures."""
+        """Each model worker: live or not, its outstanding calls and its figures."""
         statuses = await asyncio.gather(*(self.probe(w) for w in self.replicas.workers))
         return dict(zip(self.replicas.workers, statuses, strict=True))
 
@@ -471,7 +477,7 @@ async def demo(args: argparse.Namespace) -> None:
             workers = (await answer.json())["workers"]
     say(args, f"health at the end: {json.dumps(workers)}")
     live = [w for w in workers.values() if w["live"]]
-    mean_batch = sum(w["items"] for w in live) / max(1, sum(w["batches"] for w in live))
+    mean_batch = sum(w["rows"] for w in live) / max(1, sum(w["passes"] for w in live))
     print(f"RESULT requests_ok={tally.ok}")
     print(f"RESULT requests_failed={tally.failed}")
     print(f"RESULT max_abs_error={tally.max_error:.3g}")

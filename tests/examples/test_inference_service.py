@@ -184,7 +184,7 @@ class TestAHealthyService:
             assert_outputs(body["outputs"], x)
         _, report = await health(session)
         workers = report["workers"].values()
-        assert sum(w["items"] for w in workers) > sum(w["batches"] for w in workers)  # batched
+        assert sum(w["rows"] for w in workers) > sum(w["passes"] for w in workers)  # batched
 
     @pytest.mark.parametrize("case", BAD_INPUTS)
     async def test_bad_input_is_400_with_a_message(

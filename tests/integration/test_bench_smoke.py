@@ -1,4 +1,5 @@
-"""The side-by-side benchmark still runs end to end (quick mode; no speed is asserted)."""
+"""The benchmarks still run end to end (quick modes; no speed is asserted): the
+side-by-side one, and the inference service's load test."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 
 from tests.cluster import ROOT
 
-# Quick mode starts 16 sets of fresh processes (8 jobs, 2 frameworks): about a minute on
-# an idle 2-core VM, more beside other jobs.
+# bench_rpc's quick mode starts 16 sets of fresh processes (8 jobs, 2 frameworks): about
+# a minute on an idle 2-core VM, more beside other jobs; bench_service's, two services
+# of 3 processes and a few hundred requests: about 20 s.
 pytestmark = pytest.mark.timeout(420)
 
 
@@ -51,3 +53,28 @@ def test_bench_quick_mode_runs_both_frameworks(tmp_path: Path) -> None:
     assert payload["failure"] is None
     assert {p["clients"] for p in payload["curves"]["fanin"]["asyncrpc"]} == {1, 2}
     assert results.with_suffix(".png").stat().st_size > 0
+
+
+def test_service_bench_quick_mode_measures_both_modes_with_no_failure(tmp_path: Path) -> None:
+    results, plot = tmp_path / "service.json", tmp_path / "service.png"
+    command = [sys.executable, "benchmarks/bench_service.py", "--quick"]
+    done = subprocess.run(
+        [*command, "--json", str(results), "--plot", str(plot)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=200,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    payload = json.loads(results.read_text())
+    assert payload["failed"] == 0
+    for mode in ("batched", "unbatched"):
+        points = payload["results"][mode]
+        assert [p["concurrency"] for p in points] == [1, 16, 64, 256]
+        for point in points:
+            assert point["ok"] == point["requests"] > 0 and point["failures"] == {}, point
+            assert 0 < point["p50_ms"] <= point["p99_ms"], point
+    assert set(payload["speedup"]) == {"1", "16", "64", "256"}
+    assert "batched / unbatched throughput at concurrency 64" in done.stdout
+    assert plot.stat().st_size > 0
