@@ -7,7 +7,8 @@ unacknowledged; "idle", long calls wait for their replies and nothing flows), ke
 calling for ``PARTITION_AFTER_LOSS`` seconds, heals the network, and calls until a
 call goes through.  It reports every call (start, end,
 outcome, relative to the cut) and the moments of the cut, the loss, the healing and
-the first success.  Rank 1 serves until rank 0 releases it.  Both then shut down.
+the first success, and whom it counted dead during and after.  Rank 1 serves until
+rank 0 releases it.  Both then shut down.
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ async def _cut_and_heal() -> dict[str, Any]:
     lost = await stream.until(lambda c: c.error is not None, "a call failing")
     stream.work = WORK
     await asyncio.sleep(PARTITION_AFTER_LOSS)  # the partition goes on: calls keep failing
+    dead_during = asyncrpc.get_debug_info()["dead_peers"]
     heal = time.monotonic()
     await link("up")
     back = await stream.until(lambda c: c.error is None and c.start >= heal, "a call after")
@@ -159,4 +161,6 @@ async def _cut_and_heal() -> dict[str, Any]:
         "heal": heal - cut,
         "back": back - cut,
         "links": asyncrpc.get_debug_info()["links"],
+        "dead_during": dead_during,
+        "dead_peers": asyncrpc.get_debug_info()["dead_peers"],
     }

@@ -55,8 +55,9 @@ is lost (a link lost, a dial failed), the connect of each dial to it is bounded 
 ``redial_timeout`` rather than ``connect_timeout``, until a dial succeeds
 (:meth:`~asyncrpc.agent.routes.Routes.lost`): while the partition lasts new calls fail
 within it, and the first call after it heals dials afresh and goes through.  Being
-lost does not stop a peer from being dialed or heard again: the shutdown barrier reaches
-every peer anew at each phase.
+lost does not stop a peer from being dialed or heard again: a new link with it makes it
+alive again before shutdown, and the shutdown barrier reaches every peer anew at each
+phase (a partition during shutdown counts as death: docs/deploy.md).
 ``shutdown(timeout=...)`` bounds the whole.
 Unbounded by design: ``shutdown(timeout=None)`` waits in phase 1 for live peers
 as long as they live (and for our own calls, each bounded by its timeout unless

@@ -31,9 +31,11 @@ The agent feeds it what happens and carries out what it returns:
 A peer is dead for the barrier once it is lost (the agent reports
 :meth:`~ShutdownBarrier.peer_lost`) or cannot be dialled, unless it already
 announced phase 2 (it is finished, not dead); it is alive again once reached or
-once it announces a phase.  :meth:`~ShutdownBarrier.give_up` (the shutdown's
-time ran out, or the agent closes) names the peers still missing and ends the
-machine: it ignores every later event.
+once it announces a phase, and, before the first phase, once a link with it is
+established (a partition healed: the debug info's ``dead_peers`` must not keep it;
+once a phase started, a connection alone does not make us wait for it).
+:meth:`~ShutdownBarrier.give_up` (the shutdown's time ran out, or the agent closes)
+names the peers still missing and ends the machine: it ignores every later event.
 """
 
 from __future__ import annotations
@@ -160,9 +162,12 @@ class ShutdownBarrier(Generic[L]):
         return [*self._tell_if_unheard(peer, link), *self._check()]
 
     def connected(self, peer: str, link: L) -> list[Action[L]]:
-        """A link with ``peer`` was established (dialled by either side)."""
+        """A link with ``peer`` was established (dialled by either side); before the
+        first phase, a peer lost earlier is alive again."""
         if self.stage is Stage.GAVE_UP or peer not in self.peers:
             return []
+        if self.stage is Stage.IDLE:
+            self.dead.discard(peer)
         return self._tell_if_unheard(peer, link)
 
     def link_closed(self, link: L) -> None:

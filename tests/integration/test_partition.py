@@ -72,8 +72,10 @@ def test_a_partition_fails_calls_within_the_bound_and_heals_without_a_restart(
         assert call["details"]["sent"] is False, call
         assert call["end"] - call["start"] < FAIL_FAST, (call, report)
 
-    # Healed: a new call goes through, on a new link, and both shut down gracefully.
+    # Healed: a new call goes through, on a new link; nobody counts the other dead any
+    # more, and both shut down gracefully.
     assert seen["back"] - heal < RECOVERY, report
     assert seen["links"]["w1"]["transport"] == "tcp"
+    assert (seen["dead_during"], seen["dead_peers"], w1.result["dead_peers"]) == (["w1"], [], [])
     for worker in (w0, w1):
         assert worker.result["shutdown_s"] < SHUTDOWN_TIMEOUT

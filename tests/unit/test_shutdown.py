@@ -216,6 +216,15 @@ def test_a_peer_given_up_for_dead_that_announces_is_told_and_alive_again() -> No
     assert barrier.dead == set()
 
 
+def test_a_peer_lost_before_shutdown_is_alive_again_once_connected() -> None:
+    """A partition healed before anyone shut down: the peer is not dead any more."""
+    barrier = Barrier(["b"])
+    barrier.peer_lost("b")
+    assert barrier.dead == {"b"}
+    assert barrier.connected("b", "l2") == []
+    assert barrier.dead == set()
+
+
 def test_a_reached_peer_is_alive_again() -> None:
     barrier = Barrier(["b"])
     barrier.peer_lost("b")  # one link dropped before shutdown
@@ -380,6 +389,8 @@ class World:
             self.dead.discard(args[0])
         elif what == "reach":
             self.reaching.discard(args[0])
+            self.dead.discard(args[0])
+        elif what == "connect" and self.phase == 0:  # before shutdown: a link revives
             self.dead.discard(args[0])
         elif what == "refused" or (what == "close" and args[2]):
             if what == "refused":
