@@ -34,7 +34,8 @@ import math
 import socket
 from typing import Final, Protocol
 
-DEFAULT_SILENT_PEER_TIMEOUT: Final = 10.0
+DEFAULT_SILENT_PEER_TIMEOUT: Final = 30.0  # well under rpc_timeout; a loop blocked this long
+# while a peer sends to it is dropped too (see docs/deploy.md)
 """Seconds of silence after which a tcp peer is lost (``silent_peer_timeout``)."""
 
 
