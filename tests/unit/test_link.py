@@ -616,7 +616,7 @@ async def test_a_connection_the_kernel_timed_out_is_a_silent_peer(cause: OSError
     (error,) = listener.owner.lost
     assert isinstance(error, PeerLostError) and error.__cause__ is cause
     assert str(error) == (
-        "worker 'dialer': silent for 10s (silent_peer_timeout): no answer to our bytes or "
+        "worker 'dialer': silent for 30s (silent_peer_timeout): no answer to our bytes or "
         f"keepalive probes ({cause.strerror}); a network partition, or its host is down"
     )
 
