@@ -29,6 +29,7 @@ from asyncrpc.rendezvous import (
     job_secret,
     listen_host_for,
     scoped,
+    store_name,
 )
 from asyncrpc.rref import context_for
 from asyncrpc.transport import DEFAULT_BUDGET, DEFAULT_MAX_IDLE, DEFAULT_SILENT_PEER_TIMEOUT
@@ -101,9 +102,10 @@ async def init_rpc(
     wait = rpc_timeout if rpc_timeout > 0 else 1800.0
     if listen_host is None:
         listen_host = listen_host_for(init_method, store)
+    where = store_name(init_method, store)
     if store is None:
         store = await _rendezvous(create_store, init_method, rank, world_size, wait)
-    store = scoped(store)
+    store = scoped(store, where)
     secret = await _rendezvous(job_secret, store, rank)
     options = AgentOptions(
         rpc_timeout=rpc_timeout,

@@ -7,6 +7,15 @@ from asyncrpc.rendezvous.store import (
     job_secret,
     listen_host_for,
     scoped,
+    store_name,
 )
 
-__all__ = ("Store", "create_store", "exchange", "job_secret", "listen_host_for", "scoped")
+__all__ = (
+    "Store",
+    "create_store",
+    "exchange",
+    "job_secret",
+    "listen_host_for",
+    "scoped",
+    "store_name",
+)

@@ -67,14 +67,28 @@ def create_store(init_method: str, rank: int, world_size: int, timeout: float) -
     raise ValueError(f"unsupported init_method {init_method!r} (use tcp://, env:// or file://)")
 
 
-_jobs_joined = itertools.count()
+_jobs_joined: dict[str, itertools.count[int]] = {}  # per store: jobs this process joined
 
 
-def scoped(store: Store) -> Store:
-    """The part of ``store`` for this process's next job: a store outlives a job (a
+def scoped(store: Store, where: str) -> Store:
+    """The part of ``store`` for this process's next job on it: a store outlives a job (a
     process group's, one passed to init_rpc twice), and a second job must not read the
-    first one's records.  Every rank of a job joins as many jobs before it, as in torch."""
-    return dist.PrefixStore(f"{PREFIX}/job{next(_jobs_joined)}", store)  # type: ignore[attr-defined]
+    first one's records.  Every rank of a job has joined as many jobs on that store
+    before it, as in torch.  ``where`` names the store (its address, its file, or the
+    object passed in), so a job on a fresh store starts afresh: a process that calls
+    init_rpc again with new peers at a new address meets them at job 0."""
+    jobs = _jobs_joined.setdefault(where, itertools.count())
+    return dist.PrefixStore(f"{PREFIX}/job{next(jobs)}", store)  # type: ignore[attr-defined]
+
+
+def store_name(init_method: str, store: Store | None) -> str:
+    """What identifies the store of ``init_method`` (or the ``store`` given) across jobs."""
+    if store is not None:
+        return f"object:{id(store)}"
+    if init_method.startswith(("tcp://", "env://")):
+        host, port = master_address(init_method)
+        return f"tcp://{host}:{port}"
+    return init_method
 
 
 def master_address(init_method: str) -> tuple[str, int]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import math
 import sys
@@ -23,7 +22,6 @@ import pytest
 import pytest_asyncio
 import torch
 
-from asyncrpc.rendezvous import store as rendezvous_store
 from tests.cluster import ROOT
 from tests.examples.runner import run_example
 
@@ -60,11 +58,6 @@ def assert_outputs(got: Any, x: torch.Tensor, tolerance: float = 1e-4) -> None:
 @contextlib.asynccontextmanager
 async def serving(flags: list[str]) -> AsyncIterator[service.Service]:
     """The service, started in this process with ``--depth DEPTH`` and these flags."""
-    # Workaround: asyncrpc keys a job's rendezvous by how many jobs this process has
-    # joined (as torch does), so that one store can serve jobs in a row.  Each service
-    # here is a new job of fresh model workers, which are at their first job: so is
-    # this process, as far as rendezvous goes.
-    rendezvous_store._jobs_joined = itertools.count()
     args = service.make_parser().parse_args(["--depth", str(DEPTH), *flags])
     async with service.run_service(args) as running:
         yield running

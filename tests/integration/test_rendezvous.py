@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import operator
+import os
 import socket
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -11,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from asyncrpc.rendezvous import create_store
-from tests.cluster import free_port, run_job
+from tests.cluster import ROOT, free_port, run_job
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -117,3 +120,37 @@ async def test_one_store_serves_jobs_in_a_row(tmp_path: Path) -> None:
         await asyncrpc.init_rpc("solo", rank=0, world_size=1, store=store)
         assert await asyncrpc.rpc_async("solo", operator.add, args=(1, 2)) == 3
         await asyncrpc.shutdown()
+
+
+async def test_a_process_joins_a_new_job_at_a_new_address_with_fresh_peers() -> None:
+    """A serving front end that restarts its workers: its second job is on a new store,
+    where its fresh peer counts its first job; both meet at that store's first job."""
+    import asyncrpc
+
+    await asyncrpc.init_rpc("solo", rank=0, world_size=1, init_method=_tcp(free_port()))
+    await asyncrpc.shutdown()
+    address = _tcp(free_port())
+    peer = subprocess.Popen(
+        [sys.executable, "-c", _PEER.format(address=address)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        await asyncrpc.init_rpc("main", rank=0, world_size=2, init_method=address, rpc_timeout=30)
+        assert await asyncrpc.rpc_async("peer", operator.add, args=(1, 2)) == 3
+        await asyncrpc.shutdown()
+        assert peer.wait(timeout=30) == 0
+    finally:
+        peer.kill()
+
+
+_PEER = """
+import asyncio, asyncrpc
+async def main():
+    await asyncrpc.init_rpc("peer", rank=1, world_size=2, init_method={address!r}, rpc_timeout=30)
+    await asyncrpc.shutdown()
+asyncio.run(main())
+"""
+
+
+def _tcp(port: int) -> str:
+    return f"tcp://127.0.0.1:{port}"
