@@ -862,6 +862,12 @@ class RpcAgent:
             found = self._extensions[key] = create(self)
         return found  # type: ignore[return-value]  # one key, one type, by convention
 
+    @property
+    def lost_peers(self) -> set[str]:
+        """Workers this one lost contact with (a link lost, a dial failed) and has not
+        reached again since."""
+        return set(self._shutdown.dead)
+
     def pending_functions(self) -> list[str]:
         """The function (or label) of each call this worker made that has not ended."""
         return [call.function for call in self._pending.values()]

@@ -7,7 +7,8 @@ outstanding.  A call goes to the live worker with the fewest outstanding
 (ties: the one picked longest ago), so a slow or busy replica gets fewer.
 
 A worker is marked lost when a call to it fails with
-:class:`~asyncrpc.errors.PeerLostError`, and no call goes to it for
+:class:`~asyncrpc.errors.PeerLostError`, or when the agent has lost contact with it
+(any call, or a link lost, told it), and no call goes to it for
 ``retry_lost_after`` seconds; then the next call tries it again (a worker back
 from a partition serves again; a dead one is marked lost again at once, since
 a refused connection fails fast).  What happens to the failed call depends on
@@ -19,8 +20,11 @@ whether its request left:
   (at most once, as every RPC), unless the replicas were made
   ``idempotent=True``, in which case it too goes to another replica.
 
-Each call tries each replica at most once.  When no replica is live, a call
-fails at once with ``PeerLostError`` (an HTTP front end answers 503).
+A replica whose ``@batch`` queue is full refuses a call at once
+(:class:`~asyncrpc.errors.OverloadedError`, so it never ran): it goes to another
+replica, and fails with the refusal only when every replica refused.  Each call
+tries each replica at most once.  When no replica is live, a call fails at once
+with ``PeerLostError`` (an HTTP front end answers 503).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from asyncrpc.agent import RpcAgent, WorkerInfo, current_agent
-from asyncrpc.errors import AgentStateError, PeerLostError
+from asyncrpc.errors import AgentStateError, OverloadedError, PeerLostError
 
 
 class Replicas:
@@ -65,7 +69,7 @@ class Replicas:
     @property
     def live(self) -> list[str]:
         """The workers calls may go to now."""
-        return [w for w in self.workers if self._usable(w, _now())]
+        return self._others([])
 
     @property
     def outstanding(self) -> dict[str, int]:
@@ -113,12 +117,19 @@ class Replicas:
                 self.mark_lost(worker)
                 if not (self.idempotent or exc.details.get("sent") is False):
                     raise
+            except OverloadedError:
+                if not self._others(tried):
+                    raise
             finally:
                 self._outstanding[worker] -= 1
 
+    def _others(self, tried: list[str]) -> list[str]:
+        """The live workers not in ``tried``."""
+        now, agent_lost = _now(), self._agent_lost()
+        return [w for w in self.workers if w not in tried and self._usable(w, now, agent_lost)]
+
     def _choose(self, tried: list[str], func: Callable[..., Any]) -> str:
-        now = _now()
-        candidates = [w for w in self.workers if w not in tried and self._usable(w, now)]
+        candidates = self._others(tried)
         if not candidates:
             raise PeerLostError(
                 f"no live replica for {getattr(func, '__qualname__', func)!r}: "
@@ -131,9 +142,15 @@ class Replicas:
         self._lost_at.pop(worker, None)  # tried again: live until it fails again
         return worker
 
-    def _usable(self, worker: str, now: float) -> bool:
+    def _usable(self, worker: str, now: float, agent_lost: set[str]) -> bool:
         lost_at = self._lost_at.get(worker)
+        if lost_at is None and worker in agent_lost:
+            lost_at = self._lost_at[worker] = now  # news from the agent: lost from now
         return lost_at is None or now - lost_at >= self.retry_lost_after
+
+    def _agent_lost(self) -> set[str]:
+        agent = self._agent or current_agent()
+        return agent.lost_peers if agent is not None else set()
 
 
 def _now() -> float:

@@ -8,8 +8,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from asyncrpc import PeerLostError
+from asyncrpc import OverloadedError, PeerLostError
 from asyncrpc.agent import AgentOptions, RpcAgent, current_agent
+from asyncrpc.functions import batch
 from asyncrpc.serving import Replicas
 from tests.in_process import joined_agents
 
@@ -114,3 +115,60 @@ def test_replicas_need_distinct_workers() -> None:
         Replicas(["b", "b"])
     with pytest.raises(ValueError, match="distinct worker names"):
         Replicas([])
+
+
+@batch(max_size=10, max_wait=60.0, max_queue=1)
+def limited(items: list[int]) -> list[str]:
+    agent = current_agent()
+    assert agent is not None
+    return [agent.info.name for _ in items]
+
+
+async def test_a_replica_whose_queue_is_full_sends_the_call_to_another(
+    trio: list[RpcAgent],
+) -> None:
+    a, _, _ = trio
+    filling = a.rpc_async("b", limited, (0,))  # b's queue is full now
+    while not _waiting_on(trio[1]):
+        await asyncio.sleep(0.005)
+    replicas = Replicas(["b", "c"], agent=a)
+    elsewhere = replicas.rpc_async(limited, (1,))  # b first (a tie), refused, then c
+    while not _waiting_on(trio[2]):
+        await asyncio.sleep(0.005)
+    limited.configure(max_size=1)
+    try:
+        assert await elsewhere == "c" and await filling == "b"
+    finally:
+        limited.configure(max_size=10)
+
+
+async def test_every_replica_refusing_fails_with_the_refusal(trio: list[RpcAgent]) -> None:
+    a, _, _ = trio
+    held_calls = [a.rpc_async(w, limited, (0,)) for w in ("b", "c")]
+    while not (_waiting_on(trio[1]) and _waiting_on(trio[2])):
+        await asyncio.sleep(0.005)
+    with pytest.raises(OverloadedError, match="limited is overloaded"):
+        await Replicas(["b", "c"], agent=a).rpc_async(limited, (1,))
+    limited.configure(max_size=1)
+    try:
+        assert await asyncio.gather(*held_calls) == ["b", "c"]
+    finally:
+        limited.configure(max_size=10)
+
+
+def _waiting_on(agent: RpcAgent) -> int:
+    stats = agent.debug_info().get("batched_functions", {}).get(limited.rpc_name, {})
+    return int(stats.get("waiting", 0))
+
+
+async def test_a_worker_the_agent_lost_is_not_live_before_any_call_fails(
+    trio: list[RpcAgent],
+) -> None:
+    a, _, c = trio
+    replicas = Replicas(["b", "c"], agent=a, retry_lost_after=60)
+    await a.rpc_async("c", where)  # a link to c exists
+    await c.shutdown(graceful=False)
+    while "c" not in a.lost_peers:
+        await asyncio.sleep(0.005)
+    assert replicas.live == ["b"]
+    assert await asyncio.gather(*(replicas.rpc_async(where) for _ in range(3))) == ["b"] * 3
