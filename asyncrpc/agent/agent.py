@@ -667,7 +667,8 @@ class RpcAgent:
         call = self._pending.pop(call_id, None)
         if call is None:
             return
-        self.metrics.made(call.function, outcome_of(error), time.perf_counter() - call.started)
+        outcome = "ok" if error is None else outcome_of(error)
+        self.metrics.made(call.function, outcome, time.perf_counter() - call.started)
         if call.span is not None:
             spans.end(call.span)
         if call.timer is not None:

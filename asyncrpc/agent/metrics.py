@@ -94,39 +94,67 @@ def quantile(snapshot: dict[str, Any], q: float) -> float | None:
     return BUCKETS[-1]
 
 
+_OUTCOME_INDEX = {outcome: index for index, outcome in enumerate(OUTCOMES)}
+
+
+class FunctionCalls:
+    """One function's calls on one side: per outcome, and their latency histograms."""
+
+    __slots__ = ("outcomes", "queued", "seconds")
+
+    def __init__(self, *, queued: bool) -> None:
+        self.outcomes = [0] * len(OUTCOMES)
+        self.seconds = Histogram()
+        self.queued = Histogram() if queued else None
+
+    def snapshot(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {
+            "outcomes": {o: n for o, n in zip(OUTCOMES, self.outcomes, strict=True) if n},
+            "seconds": self.seconds.snapshot(),
+        }
+        if self.queued is not None:
+            entry["queued_seconds"] = self.queued.snapshot()
+        return entry
+
+
 class CallMetrics:
-    """Calls made and served by one worker, per function and outcome, with latencies."""
+    """Calls made and served by one worker, per function and outcome, with latencies.
+
+    (Per call: one dict lookup per side and a few list increments, no allocation but
+    the numbers', so that counting stays well under the cost of a call.)"""
 
     def __init__(self) -> None:
-        self.made_calls: dict[tuple[str, str], int] = {}  # (function, outcome) -> calls
-        self.served_calls: dict[tuple[str, str], int] = {}
-        self.made_seconds: dict[str, Histogram] = {}  # function -> caller-side latency
-        self.served_seconds: dict[str, Histogram] = {}  # arrival to reply, queueing included
-        self.queued_seconds: dict[str, Histogram] = {}  # arrival to start
+        self._made: dict[str, FunctionCalls] = {}
+        self._served: dict[str, FunctionCalls] = {}
 
     def made(self, function: str, outcome: str, seconds: float) -> None:
         """A call this worker made ended."""
-        key = (function, outcome)
-        self.made_calls[key] = self.made_calls.get(key, 0) + 1
-        _histogram(self.made_seconds, function).observe(seconds)
+        calls = self._made.get(function)
+        if calls is None:
+            calls = self._made[function] = FunctionCalls(queued=False)
+        calls.outcomes[_OUTCOME_INDEX[outcome]] += 1
+        histogram = calls.seconds
+        histogram.counts[bisect_left(BUCKETS, seconds)] += 1
+        histogram.total += seconds
 
     def served(self, function: str, outcome: str, seconds: float, queued: float) -> None:
         """A call this worker served ended: ``seconds`` from arrival to reply, of which
         ``queued`` before it started."""
-        key = (function, outcome)
-        self.served_calls[key] = self.served_calls.get(key, 0) + 1
-        _histogram(self.served_seconds, function).observe(seconds)
-        _histogram(self.queued_seconds, function).observe(queued)
+        calls = self._served.get(function)
+        if calls is None:
+            calls = self._served[function] = FunctionCalls(queued=True)
+        calls.outcomes[_OUTCOME_INDEX[outcome]] += 1
+        calls.seconds.observe(seconds)
+        calls.queued.observe(queued)  # type: ignore[union-attr]  # served: always kept
 
     def snapshot(self) -> dict[str, Any]:
         """Plain data: ``{"made": {function: {"outcomes": {...}, "seconds": {...}}},
         "served": {function: {"outcomes", "seconds", "queued_seconds"}}, "buckets"}``."""
-        made = _per_function(self.made_calls, {"seconds": self.made_seconds})
-        served = _per_function(
-            self.served_calls,
-            {"seconds": self.served_seconds, "queued_seconds": self.queued_seconds},
-        )
-        return {"buckets": list(BUCKETS), "made": made, "served": served}
+        return {
+            "buckets": list(BUCKETS),
+            "made": {f: calls.snapshot() for f, calls in list(self._made.items())},
+            "served": {f: calls.snapshot() for f, calls in list(self._served.items())},
+        }
 
 
 class NullMetrics(CallMetrics):
@@ -143,23 +171,3 @@ class NullMetrics(CallMetrics):
 def call_metrics() -> CallMetrics:
     """Counters for a new agent: on, unless ``ASYNCRPC_METRICS=0``."""
     return NullMetrics() if os.environ.get("ASYNCRPC_METRICS", "1") == "0" else CallMetrics()
-
-
-def _histogram(table: dict[str, Histogram], function: str) -> Histogram:
-    found = table.get(function)
-    if found is None:
-        found = table[function] = Histogram()
-    return found
-
-
-def _per_function(
-    calls: dict[tuple[str, str], int], histograms: dict[str, dict[str, Histogram]]
-) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    for (function, outcome), count in list(calls.items()):
-        entry = out.setdefault(function, {"outcomes": {}})
-        entry["outcomes"][outcome] = count
-    for name, table in histograms.items():
-        for function, histogram in list(table.items()):
-            out.setdefault(function, {"outcomes": {}})[name] = histogram.snapshot()
-    return out
