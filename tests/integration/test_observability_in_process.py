@@ -77,7 +77,7 @@ async def test_metrics_parse_as_prometheus_text_with_the_calls_made(
 
 
 async def test_debug_is_the_debug_info_as_json(served: tuple[list[RpcAgent], str]) -> None:
-    (a, _, _), url = served
+    _, url = served
     status, kind, text = await _get(f"{url}/debug")
     assert status == 200 and kind.startswith("application/json")
     debug = json.loads(text)
@@ -88,7 +88,7 @@ async def test_debug_is_the_debug_info_as_json(served: tuple[list[RpcAgent], str
 async def test_the_job_api_reports_every_worker_and_a_lost_one(
     served: tuple[list[RpcAgent], str],
 ) -> None:
-    (a, b, c), url = served
+    (a, _, c), url = served
     await a.rpc_async("b", add, (1, 2))
     job = await _job(url)
     assert [(w["name"], w["alive"]) for w in job["workers"]] == [
