@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 import asyncrpc
-from tests.netns import LISTEN_ENV, RENDEZVOUS_ENV
+from tests.netns import join_from_namespace
 from tests.scenarios import Config, blake, echo, whoami
 
 SIZES = (1 << 10, 8 << 20)  # bytes: inline, and past the shared-memory threshold
@@ -21,15 +21,7 @@ SIZES = (1 << 10, 8 << 20)  # bytes: inline, and past the shared-memory threshol
 async def exchange(cfg: Config) -> dict[str, Any]:
     """A small call, then tensors of each of ``SIZES`` to the peer (digested there) and
     back (echoed), both ranks at once; what went through shared memory; the links."""
-    await asyncrpc.init_rpc(
-        cfg.name,
-        rank=cfg.rank,
-        world_size=cfg.world,
-        init_method=f"tcp://{os.environ[RENDEZVOUS_ENV]}:{cfg.port}",
-        listen_host=os.environ[LISTEN_ENV],
-        transports=("unix", "tcp"),
-        rpc_timeout=30,
-    )
+    await join_from_namespace(cfg, transports=("unix", "tcp"), rpc_timeout=30)
     peer = f"w{1 - cfg.rank}"
     seen: dict[str, Any] = {"whoami": await asyncrpc.rpc_async(peer, whoami)}
     for nbytes in SIZES:

@@ -25,10 +25,15 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
+import asyncrpc
 from tests.cluster import ROOT, Worker, free_port
+
+if TYPE_CHECKING:
+    from tests.scenarios import Config
 
 RENDEZVOUS_ENV = "ASYNCRPC_TEST_RENDEZVOUS_HOST"
 LISTEN_ENV = "ASYNCRPC_TEST_LISTEN_HOST"
@@ -51,6 +56,20 @@ class Namespace:
     name: str
     address: str  # its end of the veth pair
     veth: str  # the name of that end
+
+
+async def join_from_namespace(cfg: Config, **options: Any) -> None:
+    """``init_rpc`` for a worker run by :func:`run_in_namespaces`: rendezvous at the
+    address and listening on the one its environment names (``cfg``: a scenario's
+    ``tests.scenarios.Config``)."""
+    await asyncrpc.init_rpc(
+        cfg.name,
+        rank=cfg.rank,
+        world_size=cfg.world,
+        init_method=f"tcp://{os.environ[RENDEZVOUS_ENV]}:{cfg.port}",
+        listen_host=os.environ[LISTEN_ENV],
+        **options,
+    )
 
 
 def ip(*args: str) -> None:

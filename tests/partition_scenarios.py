@@ -21,7 +21,7 @@ from typing import Any
 
 import asyncrpc
 from asyncrpc.errors import AsyncRPCError
-from tests.netns import LISTEN_ENV, RENDEZVOUS_ENV
+from tests.netns import join_from_namespace
 from tests.scenarios import Config
 
 CUT_ENV = "ASYNCRPC_TEST_CUT"  # "namespace veth": the end of the pair to take down
@@ -107,15 +107,7 @@ async def link(state: str) -> None:
 async def partition(cfg: Config) -> dict[str, Any]:
     global _released
     _released = asyncio.Event()
-    await asyncrpc.init_rpc(
-        cfg.name,
-        rank=cfg.rank,
-        world_size=cfg.world,
-        init_method=f"tcp://{os.environ[RENDEZVOUS_ENV]}:{cfg.port}",
-        listen_host=os.environ[LISTEN_ENV],
-        rpc_timeout=30,
-        silent_peer_timeout=SILENCE,
-    )
+    await join_from_namespace(cfg, rpc_timeout=30, silent_peer_timeout=SILENCE)
     seen = await (_cut_and_heal() if cfg.rank == 0 else _serve())
     began = time.monotonic()
     await asyncrpc.shutdown(timeout=SHUTDOWN_TIMEOUT)
