@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from asyncrpc.serde import allocate_tensor_storage, dumps, loads
+from tests.cluster import run_job
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -26,3 +27,16 @@ def test_cuda_tensor_round_trip_keeps_device_and_values() -> None:
     back = loads(payload, received)
     assert back.device == t.device
     assert torch.equal(back, t)
+
+
+@needs_cuda
+def test_cuda_tensors_through_a_two_process_job() -> None:
+    """Echoes, a tensor a side stream is still writing, @batch, an RRef and a backward
+    pass, all with CUDA tensors (tests/gpu_scenarios.py)."""
+    seen = run_job("gpu_scenarios.cuda_calls", timeout=180)[0].result
+    assert seen["echoes"] == [True, True, True]
+    device, got, want = seen["side_stream"]
+    assert device.startswith("cuda") and got == want  # the send waited for the fill
+    assert seen["batch"] is True
+    assert seen["rref"][0].startswith("cuda") and seen["rref"][1] == 2000.0
+    assert seen["autograd"] is True
