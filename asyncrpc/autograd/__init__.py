@@ -20,7 +20,12 @@ import torch
 
 from asyncrpc.agent import RpcAgent, current_agent
 from asyncrpc.autograd import ddp
-from asyncrpc.autograd.context import ContextId, contexts_of, current_context_id
+from asyncrpc.autograd.context import (
+    AutogradContext,
+    ContextId,
+    contexts_of,
+    current_context_id,
+)
 from asyncrpc.autograd.engine import run_backward
 from asyncrpc.errors import AgentStateError
 from asyncrpc.rref.handle import RRef, set_backward
@@ -65,13 +70,16 @@ async def backward(
     """
     agent = _agent()
     context = contexts_of(agent).get(context_id)
-    _check_roots(roots)
+    _check_roots(roots, context)
     await run_backward(agent, context, [(root, torch.ones_like(root)) for root in roots])
     await ddp.average_gradients(context)
 
 
-def _check_roots(roots: Sequence[torch.Tensor]) -> None:
-    """Refuse roots a backward pass cannot start from (in torch's words)."""
+def _check_roots(roots: Sequence[torch.Tensor], context: AutogradContext) -> None:
+    """Refuse roots a backward pass cannot start from (in torch's words).  A tensor that
+    arrived in an RPC of this context is a leaf here but not in torch, where it has a
+    recv function: the pass may start from it (a loss computed remotely), and its
+    gradient goes back to its sender."""
     if not roots:
         raise ValueError("No tensors provided for gradient computation (roots is empty)")
     for index, root in enumerate(roots):
@@ -84,7 +92,7 @@ def _check_roots(roots: Sequence[torch.Tensor]) -> None:
                 f"backward root {index} of shape {tuple(root.shape)} is not a scalar, all "
                 "roots need to be scalar"
             )
-        if root.grad_fn is None:
+        if root.grad_fn is None and not context.received(root):
             raise ValueError(
                 f"backward root {index} is a leaf: it does not have a valid gradient function"
             )

@@ -89,6 +89,12 @@ class AutogradContext:
     ddp: list[Any] = field(default_factory=list)  # DDP modules run here (autograd/ddp.py)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def received(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` arrived in an RPC of this context (a recv)."""
+        with self.lock:
+            recv = self.recvs.get(id(tensor))
+        return recv is not None and recv.tensor is tensor
+
     def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor) -> None:
         with self.lock:
             known = self.grads.get(leaf)

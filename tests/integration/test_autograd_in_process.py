@@ -429,6 +429,27 @@ async def test_backward_refuses_roots_it_cannot_start_from(trio: Agents) -> None
                 await autograd.backward(ctx, roots)
 
 
+def remote_loss(h: torch.Tensor) -> torch.Tensor:
+    return (stage_b(h) ** 2).sum()
+
+
+async def test_backward_may_start_from_a_loss_computed_remotely(trio: Agents) -> None:
+    """torch's received tensors have a recv function, so a loss returned by an RPC is a
+    valid root there; here it arrives as a leaf of the context, and is one too."""
+    a, b, _ = trio
+    w_a, x = weights(5, 4, seed=3), weights(2, 5, seed=4).detach()
+    async with autograd.context() as ctx:
+        loss = await a.rpc_async("b", remote_loss, (x @ w_a,))
+        assert loss.is_leaf and loss.requires_grad
+        await autograd.backward(ctx, [loss])
+        got_a, got_b = autograd.get_gradients(ctx)[w_a], grads_on(b, ctx)[W_B]
+    want_a, want_b = local_grads(lambda: remote_loss(x @ w_a), [w_a, W_B])
+    assert close(got_a, want_a) and close(got_b, want_b)
+    with pytest.raises(ValueError, match="does not have a valid gradient function"):
+        async with autograd.context() as other:  # received in another context: a leaf
+            await autograd.backward(other, [loss])
+
+
 async def test_contexts_a_lost_worker_opened_are_freed_on_the_survivors(trio: Agents) -> None:
     a, b, _ = trio
     x = weights(2, 4, seed=3)
