@@ -1,28 +1,34 @@
-"""Two "hosts" on one machine: network namespaces joined by a veth pair (needs root).
+"""Several "hosts" on one machine: network namespaces on a bridge (needs root).
 
-``veth_pair()`` makes two fresh network namespaces, ``arpc<tag>a`` and ``arpc<tag>b``,
-each holding one end of a veth pair (``arv<tag>a``, ``arv<tag>b``) with the addresses
-10.213.N.1 and 10.213.N.2/24, and deletes them whatever happens; by hand::
+``network(count)`` makes ``count`` fresh network namespaces, ``arpc<tag>n<i>``, and one
+more, ``arpc<tag>br``, holding a bridge; each host namespace holds one end of a veth
+pair (``arv<tag>n<i>``, address 10.213.N.<i + 1>/24), whose other end
+(``arv<tag>p<i>``) is a port of the bridge: a switch with ``count`` machines on it.
+``<tag>`` and ``N`` come from our pid, so concurrent runs do not meet; the root
+namespace is not touched, and everything is deleted whatever happens.  By hand::
 
-    ip netns add A; ip netns add B
-    ip link add va type veth peer name vb
-    ip link set va netns A; ip link set vb netns B
-    ip -n A addr add 10.213.1.1/24 dev va; ip -n B addr add 10.213.1.2/24 dev vb
-    ip -n A link set va up; ip -n B link set vb up
-    ip -n A link set lo up; ip -n B link set lo up
+    ip netns add SW; ip -n SW link add br0 type bridge; ip -n SW link set br0 up
+    ip netns add A                                  # and B, C, ... likewise
+    ip link add va netns A type veth peer name pa netns SW   # a cable to the switch
+    ip -n SW link set pa master br0 up
+    ip -n A addr add 10.213.1.1/24 dev va; ip -n A link set va up; ip -n A link set lo up
 
 ``run_in_namespaces`` runs rank r of a scenario (``tests/worker.py``) in namespace r
-with ``ip netns exec``, the rendezvous at rank 0's address.  Used by
-tests/integration/test_namespaces.py and test_partition.py.
+with ``ip netns exec``, the rendezvous at rank 0's address; ``start_in`` runs any
+command in one (tests/integration/test_multihost.py runs torchrun so).  Used by
+tests/integration/test_namespaces.py, test_partition.py and test_multihost.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,7 +44,7 @@ if TYPE_CHECKING:
 RENDEZVOUS_ENV = "ASYNCRPC_TEST_RENDEZVOUS_HOST"
 LISTEN_ENV = "ASYNCRPC_TEST_LISTEN_HOST"
 IP_TIMEOUT = 10.0  # seconds, per `ip` command
-JOB_TIMEOUT = 90.0  # seconds, for both workers together
+JOB_TIMEOUT = 90.0  # seconds, for all the processes of a job together
 NEEDS_ROOT_AND_IP = [
     pytest.mark.skipif(
         not sys.platform.startswith("linux") or shutil.which("ip") is None,
@@ -46,13 +52,15 @@ NEEDS_ROOT_AND_IP = [
     ),
     pytest.mark.skipif(
         not hasattr(os, "geteuid") or os.geteuid() != 0,
-        reason="creating network namespaces and veth pairs needs root",
+        reason="creating network namespaces, veth pairs and bridges needs root",
     ),
 ]
 
 
 @dataclass(frozen=True)
 class Namespace:
+    """A "host": a network namespace, its address, and its end of its cable."""
+
     name: str
     address: str  # its end of the veth pair
     veth: str  # the name of that end
@@ -76,78 +84,119 @@ def ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=IP_TIMEOUT)
 
 
+def _make_bridge(switch: str) -> None:
+    """A namespace holding ``br0``, an L2 switch (no STP, no forwarding delay)."""
+    try:
+        ip("netns", "add", switch)
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"cannot create a network namespace here: {exc.stderr.decode().strip()}")
+    try:
+        ip("-n", switch, "link", "add", "br0", "type", "bridge", "forward_delay", "0")
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"cannot create a bridge here: {exc.stderr.decode().strip()}")
+    ip("-n", switch, "link", "set", "br0", "up")
+
+
+def _plug(ns: Namespace, switch: str, port: str) -> None:
+    """Make ``ns`` and cable it to the switch: a veth pair, ``ns.veth`` in ``ns`` (with
+    its address), ``port`` on the bridge."""
+    ip("netns", "add", ns.name)
+    cable = ("type", "veth", "peer", "name", port, "netns", switch)
+    ip("link", "add", ns.veth, "netns", ns.name, *cable)
+    ip("-n", switch, "link", "set", port, "master", "br0", "up")
+    ip("-n", ns.name, "addr", "add", f"{ns.address}/24", "dev", ns.veth)
+    ip("-n", ns.name, "link", "set", ns.veth, "up")
+    ip("-n", ns.name, "link", "set", "lo", "up")
+
+
 @contextmanager
-def veth_pair() -> Iterator[tuple[Namespace, Namespace]]:
-    """Two fresh network namespaces joined by a veth pair, 10.213.N.1 and .2/24 (N from
-    our pid: unique among concurrent runs of this machine); deleted (with the pair)
-    whatever happens.  Skips the test if namespaces cannot be made here."""
+def network(count: int = 2) -> Iterator[list[Namespace]]:
+    """``count`` fresh network namespaces on one bridge, 10.213.N.1, .2, ... /24 (N
+    from our pid: unique among concurrent runs of this machine); all deleted (cables
+    and bridge with them) whatever happens.  Skips the test if namespaces or bridges
+    cannot be made here."""
     tag = f"{os.getpid() % 100000}"
     subnet = f"10.213.{os.getpid() % 250 + 1}"
-    veths = (f"arv{tag}a", f"arv{tag}b")  # interface names: 15 characters at most
-    pair = (
-        Namespace(f"arpc{tag}a", f"{subnet}.1", veths[0]),
-        Namespace(f"arpc{tag}b", f"{subnet}.2", veths[1]),
-    )
+    switch = f"arpc{tag}br"
+    hosts = [  # interface names: 15 characters at most
+        Namespace(f"arpc{tag}n{i}", f"{subnet}.{i + 1}", f"arv{tag}n{i}") for i in range(count)
+    ]
+    made = [switch]
     try:
-        try:
-            for ns in pair:
-                ip("netns", "add", ns.name)
-        except subprocess.CalledProcessError as exc:
-            pytest.skip(f"cannot create a network namespace here: {exc.stderr.decode().strip()}")
-        ip("link", "add", veths[0], "type", "veth", "peer", "name", veths[1])
-        for ns in pair:
-            ip("link", "set", ns.veth, "netns", ns.name)
-            ip("-n", ns.name, "addr", "add", f"{ns.address}/24", "dev", ns.veth)
-            ip("-n", ns.name, "link", "set", ns.veth, "up")
-            ip("-n", ns.name, "link", "set", "lo", "up")
-        yield pair
+        _make_bridge(switch)
+        for i, ns in enumerate(hosts):
+            made.append(ns.name)
+            _plug(ns, switch, f"arv{tag}p{i}")
+        yield hosts
     finally:
-        undo = [("link", "del", veths[0]), *(("netns", "del", ns.name) for ns in pair)]
-        for args in undo:  # a pair moved into the namespaces goes with them
-            subprocess.run(["ip", *args], check=False, capture_output=True, timeout=IP_TIMEOUT)
-
-
-def run_in_namespaces(
-    pair: tuple[Namespace, Namespace],
-    scenario: str,
-    wrap: tuple[str, ...] = (),
-    env: dict[str, str] | None = None,
-) -> list[Worker]:
-    """Rank r of ``scenario`` in ``pair[r]`` (under ``wrap``, a command prefix; with
-    ``env`` added to the environment), the rendezvous at rank 0's address; both
-    bounded by JOB_TIMEOUT.  Fails unless both exit 0."""
-    port = free_port()
-    procs = []
-    for rank, ns in enumerate(pair):
-        environ = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "PYTHONUNBUFFERED": "1",
-            RENDEZVOUS_ENV: pair[0].address,
-            LISTEN_ENV: ns.address,
-            **(env or {}),
-        }
-        command = [sys.executable, "-m", "tests.worker", scenario, str(rank), "2", str(port)]
-        procs.append(
-            subprocess.Popen(
-                ["ip", "netns", "exec", ns.name, *wrap, *command, "uvloop", "tcp"],
-                cwd=ROOT,
-                env=environ,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
+        for name in made:  # a namespace's interfaces, and their veth peers, go with it
+            subprocess.run(
+                ["ip", "netns", "del", name], check=False, capture_output=True, timeout=IP_TIMEOUT
             )
-        )
+
+
+def start_in(
+    ns: Namespace, command: list[str], env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """``command`` in ``ns`` (``ip netns exec``) from the repository root, in a session
+    of its own (:func:`finish` kills the whole process group), output captured, with
+    ``env`` added to our environment."""
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.Popen(
+        ["ip", "netns", "exec", ns.name, *command],
+        cwd=ROOT,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish(procs: list[subprocess.Popen[str]], timeout: float = JOB_TIMEOUT) -> list[Worker]:
+    """Wait for every process, ``timeout`` seconds for all together; one still running
+    then is killed with its process group (what it started too).  Fails unless all
+    exit 0; returns them as ``Worker``s, by position."""
+    deadline = time.monotonic() + timeout
+    workers = []
     try:
-        workers = []
         for rank, proc in enumerate(procs):
-            out, err = proc.communicate(timeout=JOB_TIMEOUT)
+            try:
+                out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                out, err = proc.communicate(timeout=IP_TIMEOUT)
+                err += f"\n[killed: the job overran {timeout:.0f}s]"
             workers.append(Worker(rank, proc.returncode, out, err))
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+            if proc.poll() is None:  # not waited for: a failure above
+                _kill_group(proc)
                 proc.communicate(timeout=IP_TIMEOUT)
     for worker in workers:
         assert worker.returncode == 0, "\n".join(w.describe() for w in workers)
     return workers
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL ``proc``'s process group (it leads one: ``start_new_session``)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_in_namespaces(
+    spaces: Sequence[Namespace],
+    scenario: str,
+    wrap: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> list[Worker]:
+    """Rank r of ``scenario`` in ``spaces[r]`` (under ``wrap``, a command prefix; with
+    ``env`` added to the environment), the rendezvous at rank 0's address; all bounded
+    by JOB_TIMEOUT.  Fails unless all exit 0."""
+    port, world = free_port(), len(spaces)
+    procs = []
+    for rank, ns in enumerate(spaces):
+        environ = {RENDEZVOUS_ENV: spaces[0].address, LISTEN_ENV: ns.address, **(env or {})}
+        command = [sys.executable, "-m", "tests.worker", scenario, str(rank), str(world)]
+        procs.append(start_in(ns, [*wrap, *command, str(port), "uvloop", "tcp"], environ))
+    return finish(procs)

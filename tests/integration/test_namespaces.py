@@ -1,30 +1,36 @@
-"""Two workers in network namespaces of their own, joined by a veth pair: two pods (or
-containers) of one node.  They share a kernel, but not their abstract unix sockets: the
-link must be tcp, and the debug info must say why.  Needs root and iproute2's ``ip``."""
+"""Two workers in network namespaces of their own, on a bridge (tests/netns.py): two pods
+(or containers) of one node.  They share a kernel, but not their abstract unix sockets:
+the link must be tcp, and the debug info must say why.  Each sends the other tensors of
+1 KB, 1 MB, 64 MB and 400 MB (tests/namespace_scenarios.py), digested and echoed back:
+through shared memory from 1 MB while they share a PID namespace, else all on the
+socket.  Needs root and iproute2's ``ip``; about 20 s."""
 
 from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from tests.cluster import Worker
-from tests.namespace_scenarios import SIZES
-from tests.netns import NEEDS_ROOT_AND_IP, Namespace, run_in_namespaces, veth_pair
+from tests.namespace_scenarios import SIZES, SMALL
+from tests.netns import NEEDS_ROOT_AND_IP, Namespace, network, run_in_namespaces
 
-pytestmark = [pytest.mark.timeout(120), *NEEDS_ROOT_AND_IP]
+pytestmark = [pytest.mark.timeout(150), *NEEDS_ROOT_AND_IP]
 
 
 @pytest.fixture
-def namespaces() -> Iterator[tuple[Namespace, Namespace]]:
-    """Two network namespaces joined by a veth pair (see tests/netns.py)."""
-    with veth_pair() as pair:
-        yield pair
+def namespaces() -> Iterator[list[Namespace]]:
+    """Two network namespaces on a bridge (see tests/netns.py)."""
+    with network(2) as spaces:
+        yield spaces
 
 
-def assert_exchanged(worker: Worker) -> dict[str, object]:
+def assert_exchanged(worker: Worker) -> dict[str, Any]:
+    """Every size arrived intact both ways; prints the seconds each took (``-s``)."""
     seen = worker.result
+    print(f"rank {worker.rank}:", {n: seen[f"{n}_s"] for n in SIZES}, seen["bytes"])
     assert seen["whoami"] == f"w{1 - worker.rank}"
     for nbytes in SIZES:
         assert seen[str(nbytes)] == {"digest": True, "echo": True}, nbytes
@@ -32,7 +38,7 @@ def assert_exchanged(worker: Worker) -> dict[str, object]:
 
 
 def test_workers_in_two_network_namespaces_talk_over_tcp_and_say_why(
-    namespaces: tuple[Namespace, Namespace],
+    namespaces: list[Namespace],
 ) -> None:
     """One PID namespace still: the large tensors go through shared memory."""
     for worker in run_in_namespaces(namespaces, "namespace_scenarios.exchange"):
@@ -46,11 +52,14 @@ def test_workers_in_two_network_namespaces_talk_over_tcp_and_say_why(
             }
         }
         assert seen["shared_memory_peak"] >= SIZES[-1]
+        large = sum(SIZES) - SMALL
+        assert seen["bytes"]["shared_memory"]["sent"] >= 2 * large  # to blake, to echo
+        assert seen["bytes"]["tcp"]["sent"] < 1 << 20  # the calls, and the 1 KB tensors
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux's `unshare`")
 def test_two_pods_of_one_node_share_neither_sockets_nor_memory(
-    namespaces: tuple[Namespace, Namespace],
+    namespaces: list[Namespace],
 ) -> None:
     """Each worker in a PID namespace of its own too (each is pid 1 there): a peer's
     ``/proc/<pid>`` is not that peer, so the large tensors go through the socket."""
@@ -67,3 +76,5 @@ def test_two_pods_of_one_node_share_neither_sockets_nor_memory(
             }
         }
         assert seen["shared_memory_peak"] == 0
+        assert seen["bytes"].get("shared_memory", {"sent": 0})["sent"] == 0
+        assert seen["bytes"]["tcp"]["sent"] >= 2 * sum(SIZES)

@@ -1,5 +1,6 @@
-"""A network partition between two workers in network namespaces of their own (a veth
-pair, see tests/netns.py), mid-job: one end of the pair goes down and comes back up.
+"""A network partition between two workers in network namespaces of their own (on a
+bridge, see tests/netns.py), mid-job: the peer's end of its cable to the bridge goes down
+and comes back up.
 
 Calls in flight fail with ``PeerLostError`` within ``silent_peer_timeout`` (plus a
 margin), not their 30 s ``rpc_timeout``; new calls fail fast while the partition
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.netns import NEEDS_ROOT_AND_IP, Namespace, run_in_namespaces, veth_pair
+from tests.netns import NEEDS_ROOT_AND_IP, Namespace, network, run_in_namespaces
 from tests.partition_scenarios import CUT_ENV, LONG_WORK, MODE_ENV, SHUTDOWN_TIMEOUT, SILENCE
 
 pytestmark = [pytest.mark.timeout(120), *NEEDS_ROOT_AND_IP]
@@ -26,9 +27,9 @@ RECOVERY = 5.0  # seconds from healing to a call that goes through
 
 
 @pytest.fixture
-def namespaces() -> Iterator[tuple[Namespace, Namespace]]:
-    with veth_pair() as pair:
-        yield pair
+def namespaces() -> Iterator[list[Namespace]]:
+    with network(2) as spaces:
+        yield spaces
 
 
 def failed(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -37,7 +38,7 @@ def failed(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("mode", ["busy", "idle"])
 def test_a_partition_fails_calls_within_the_bound_and_heals_without_a_restart(
-    namespaces: tuple[Namespace, Namespace], mode: str
+    namespaces: list[Namespace], mode: str
 ) -> None:
     """``busy``: requests keep going out, unacknowledged (TCP_USER_TIMEOUT ends the
     link); ``idle``: long calls wait for their replies and nothing flows (keepalive)."""
