@@ -126,6 +126,7 @@ from asyncrpc.transport import (
     local_host,
     too_large,
 )
+from asyncrpc.transport.storage import StoragePool
 from asyncrpc.wire import DEFAULT_MAX_FRAME_SIZE, Frame, Handshake, Identity, Kind, Role
 
 log = logging.getLogger("asyncrpc.agent")
@@ -232,6 +233,8 @@ class RpcAgent:
             if options.shared_memory
             else None
         )
+        # large buffers received through a socket land in warm, reused memory
+        self._storage = StoragePool(allocate_tensor_storage)
         self._workers: dict[str, WorkerAddress] = {}
         self._by_rank: dict[int, WorkerAddress] = {}
         self._servers: list[asyncio.AbstractServer] = []
@@ -410,6 +413,7 @@ class RpcAgent:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._segments is not None:
             self._segments.close()
+        self._storage.clear()
         self.state = Lifecycle.CLOSED
 
     # -- outgoing calls ------------------------------------------------------------
@@ -713,7 +717,7 @@ class RpcAgent:
         return Link(
             self,
             handshake,
-            allocate=allocate_tensor_storage,
+            allocate=self._storage.allocate,
             segments=self._segments,
             max_mapped_bytes=self.options.shared_memory_budget,
             handshake_timeout=self.options.handshake_timeout,

@@ -123,8 +123,10 @@ class _Mapping:
     ``mmap.mmap`` keeps a duplicate open for the mapping's whole life).  Unmapped
     when the last reference goes."""
 
-    def __init__(self, fd: int, nbytes: int, *, populate: bool) -> None:
-        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+    def __init__(self, fd: int, nbytes: int, *, populate: bool, private: bool = False) -> None:
+        """Map ``nbytes`` of ``fd`` shared; ``private``: anonymous memory (``fd`` -1)."""
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS if private else mmap.MAP_SHARED
+        flags |= mmap.MAP_POPULATE if populate else 0
         address = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
         if address in (None, _MAP_FAILED):
             code = ctypes.get_errno()

@@ -1,0 +1,322 @@
+"""The floor of a large echo over loopback TCP here, measured without RPC, next to asyncrpc's.
+
+``bench_rpc.py --workloads tcp`` compares asyncrpc and torch forced onto TCP.  This
+script says what the socket itself allows: two processes, one TCP connection on
+127.0.0.1, a payload of ``--mb`` MB sent and echoed back, the receiving side landing
+every message in a fresh ``torch.empty`` (as both frameworks do):
+
+* ``blocking sockets``: ``sendall``/``recv_into`` on both sides (no event loop);
+* ``blocking reused``: the same into one buffer per side allocated once (no page
+  faults of fresh memory: what fresh storage costs is the difference);
+* ``uvloop protocols``: both sides run uvloop with the buffer sizes asyncrpc uses (a
+  ``BufferedProtocol`` whose ``get_buffer`` hands out the rest of the destination, one
+  ``write`` of the whole payload, ``set_write_buffer_limits(high=4 MiB)``, TCP_NODELAY);
+* ``asyncrpc tcp``: ``rpc_async(echo)`` between two asyncrpc workers with
+  ``transports=("tcp",), shared_memory=False``.
+
+Each round runs every kind once, alternating, in a fresh pair of processes: one
+warm-up echo, then ``--echoes`` timed ones, of which the round keeps the median.
+Printed: GB/s of bytes moved (twice the payload per echo) for every round, and the
+median of the rounds.  Usage: ``python benchmarks/tcp_floor.py [--mb 4,64,400]
+[--rounds 5] [--echoes 5] [--kinds ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import uvloop
+
+MB = 1 << 20
+HIGH_WATER = 4 << 20
+"""asyncrpc's write-buffer high-water mark (``Link.connection_made``)."""
+
+
+def fresh(nbytes: int) -> tuple[torch.Tensor, memoryview]:
+    """New tensor storage and a writable byte view of it (asyncrpc's wire allocator)."""
+    storage = torch.empty(nbytes, dtype=torch.uint8)
+    return storage, memoryview(storage.numpy())
+
+
+def connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def recv_exactly(sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` from ``sock``; False if the peer closed first."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            return False
+        got += n
+    return True
+
+
+# -- blocking sockets ---------------------------------------------------------------
+
+
+def blocking_server(sock: socket.socket, nbytes: int, reuse: bool) -> None:
+    conn, _ = sock.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    kept = fresh(nbytes)
+    while True:
+        _, view = kept if reuse else fresh(nbytes)
+        if not recv_exactly(conn, view):
+            return
+        conn.sendall(view)
+
+
+def blocking_client(port: int, nbytes: int, echoes: int, reuse: bool) -> list[float]:
+    sock = connect_when_listening(port)
+    _, data = fresh(nbytes)
+    kept = fresh(nbytes)
+    times = []
+    for _ in range(echoes + 1):
+        start = time.perf_counter()
+        sock.sendall(data)
+        _, view = kept if reuse else fresh(nbytes)
+        recv_exactly(sock, view)
+        times.append(time.perf_counter() - start)
+    sock.close()
+    return times[1:]
+
+
+# -- uvloop protocols ---------------------------------------------------------------
+
+
+class Receiver(asyncio.BufferedProtocol):
+    """Lands each message of ``nbytes`` in fresh storage; ``arrived`` gets each one."""
+
+    def __init__(self, nbytes: int, arrived: Callable[[memoryview], None]) -> None:
+        self.nbytes = nbytes
+        self.arrived = arrived
+        self.view = fresh(nbytes)[1]
+        self.filled = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport: asyncio.Transport = transport  # type: ignore[assignment]
+        self.transport.set_write_buffer_limits(high=HIGH_WATER)
+        sock = transport.get_extra_info("socket")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.view[self.filled :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.filled += nbytes
+        if self.filled == self.nbytes:
+            view, self.view, self.filled = self.view, fresh(self.nbytes)[1], 0
+            self.arrived(view)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        asyncio.get_running_loop().stop()
+
+
+class Echo(Receiver):
+    """Writes each message back, from the storage it landed in."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(nbytes, self.echo)
+
+    def echo(self, view: memoryview) -> None:
+        self.transport.write(view)
+
+
+def loop_server(sock: socket.socket, nbytes: int) -> None:
+    async def serve() -> None:
+        conn, _ = sock.accept()
+        loop = asyncio.get_running_loop()
+        await loop.connect_accepted_socket(lambda: Echo(nbytes), conn)
+        await asyncio.Event().wait()
+
+    with contextlib.suppress(RuntimeError):  # stopped when the client went away
+        uvloop.run(serve())
+
+
+async def loop_client(port: int, nbytes: int, echoes: int) -> list[float]:
+    loop = asyncio.get_running_loop()
+    waiting: list[asyncio.Future[memoryview]] = []
+    _, receiver = await loop.create_connection(
+        lambda: Receiver(nbytes, lambda v: waiting.pop(0).set_result(v)),
+        sock=connect_when_listening(port),
+    )
+    _, data = fresh(nbytes)
+    times = []
+    for _ in range(echoes + 1):
+        start = time.perf_counter()
+        waiting.append(loop.create_future())
+        receiver.transport.write(data)
+        await waiting[-1]
+        times.append(time.perf_counter() - start)
+    receiver.transport.close()
+    return times[1:]
+
+
+# -- asyncrpc -----------------------------------------------------------------------
+
+
+def echo(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+async def rpc_worker(name: str, rank: int, port: int) -> None:
+    import asyncrpc
+
+    await asyncrpc.init_rpc(
+        name,
+        rank=rank,
+        world_size=2,
+        init_method=f"tcp://127.0.0.1:{port}",
+        transports=("tcp",),
+        shared_memory=False,
+    )
+
+
+async def rpc_server(port: int) -> None:
+    import asyncrpc
+
+    await rpc_worker("server", 1, port)
+    await asyncrpc.shutdown(timeout=600)
+
+
+async def rpc_client(port: int, nbytes: int, echoes: int) -> list[float]:
+    import asyncrpc
+
+    await rpc_worker("client", 0, port)
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    times = []
+    for _ in range(echoes + 1):
+        start = time.perf_counter()
+        result = await asyncrpc.rpc_async("server", echo, args=(data,))
+        times.append(time.perf_counter() - start)
+        if not torch.equal(result, data):
+            raise AssertionError("the echo came back different")
+        del result
+    moved = asyncrpc.get_debug_info()["bytes"]
+    if set(moved) != {"tcp"} or moved["tcp"]["received"] < nbytes * (echoes + 1):
+        raise AssertionError(f"not all through tcp: {moved}")
+    await asyncrpc.shutdown()
+    return times[1:]
+
+
+# -- rounds -------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def listen(port: int) -> socket.socket:
+    return socket.create_server(("127.0.0.1", port))
+
+
+def connect_when_listening(port: int) -> socket.socket:
+    for _ in range(500):
+        try:
+            return connect(port)
+        except ConnectionRefusedError:
+            time.sleep(0.01)
+    raise TimeoutError(f"nobody listens on port {port}")
+
+
+def serve(kind: str, port: int, nbytes: int) -> None:
+    """The echoing side of one round (a process of its own)."""
+    if kind == "asyncrpc tcp":
+        uvloop.run(rpc_server(port))
+    elif kind == "uvloop protocols":
+        loop_server(listen(port), nbytes)
+    else:
+        blocking_server(listen(port), nbytes, reuse=kind == "blocking reused")
+
+
+def drive(kind: str, port: int, nbytes: int, echoes: int) -> list[float]:
+    """The timing side of one round (a process of its own): seconds per echo."""
+    if kind == "asyncrpc tcp":
+        return uvloop.run(rpc_client(port, nbytes, echoes))
+    if kind == "uvloop protocols":
+        return uvloop.run(loop_client(port, nbytes, echoes))
+    return blocking_client(port, nbytes, echoes, reuse=kind == "blocking reused")
+
+
+def one_round(kind: str, nbytes: int, echoes: int) -> list[float]:
+    """Seconds per echo of ``kind``, in a fresh pair of processes (no fork: torch and
+    asyncrpc start threads)."""
+    port = free_port()
+    me = [sys.executable, __file__, "--role"]
+    server = subprocess.Popen([*me, "serve", kind, str(port), str(nbytes)])
+    try:
+        out = subprocess.run(
+            [*me, "drive", kind, str(port), str(nbytes), str(echoes)],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+    finally:
+        server.wait(timeout=60)
+    return [float(t) for t in out.split()]
+
+
+KINDS = ("blocking sockets", "blocking reused", "uvloop protocols", "asyncrpc tcp")
+
+
+def play(role: str, kind: str, port: str, nbytes: str, echoes: str = "0") -> None:
+    """One side of a round, in a process of its own (the driver prints its times)."""
+    if role == "serve":
+        serve(kind, int(port), int(nbytes))
+    else:
+        print(" ".join(str(t) for t in drive(kind, int(port), int(nbytes), int(echoes))))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--mb", default="4,64,400", help="payload sizes in MB")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--echoes", type=int, default=5, help="timed echoes per round")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"of {','.join(KINDS)}")
+    parser.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role:
+        play(*args.role)
+        return
+    kinds = [k for k in KINDS if k in args.kinds.split(",")]
+    sizes = [int(mb) * MB for mb in args.mb.split(",")]
+    gbps: dict[tuple[int, str], list[float]] = {(n, k): [] for n in sizes for k in kinds}
+    for _ in range(args.rounds):  # alternating, so that a noisy moment hits every kind
+        for nbytes in sizes:
+            for kind in kinds:
+                seconds = statistics.median(one_round(kind, nbytes, args.echoes))
+                gbps[nbytes, kind].append(2 * nbytes / seconds / 1e9)
+    print(
+        f"echo over loopback TCP, two processes, {args.rounds} rounds of {args.echoes} "
+        f"echoes (GB/s moved, 2x the payload; per round, then the median), "
+        f"load {os.getloadavg()[0]:.2f}"
+    )
+    for nbytes in sizes:
+        floor = statistics.median(gbps[nbytes, kinds[0]])
+        for kind in kinds:
+            each = " ".join(f"{g:.2f}" for g in gbps[nbytes, kind])
+            mid = statistics.median(gbps[nbytes, kind])
+            print(
+                f"  {nbytes // MB:4d} MB {kind:18s} median {mid:5.2f} "
+                f"({mid / floor:4.0%} of {kinds[0]})   [{each}]"
+            )
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
