@@ -239,6 +239,16 @@ async def steady(cfg: Config, job: WorkerArgs) -> Results:
     return {"echo_ms": await echo_rows(cfg, keep_previous=True)}
 
 
+async def tcp(cfg: Config, job: WorkerArgs) -> Results:
+    """Over TCP only (see ``main``): the first echo of ``job.size`` bytes of a fresh
+    pair, then steady echoes of it with the previous result alive."""
+    assert job.size is not None
+    first = await cold(cfg, job)
+    repeats = dict(cfg.echo_sizes).get(job.size, cfg.bandwidth_repeats(job.size))
+    steady = echo_ms(cfg, job.size, repeats, keep_previous=True)
+    return {**first, "echo_ms": await bounded(cfg, steady)}
+
+
 async def bandwidth(cfg: Config, job: WorkerArgs) -> Results:
     """Echo times along ``cfg.bandwidth_sizes``, up to ``job.size`` bytes."""
     assert job.size is not None
@@ -281,7 +291,10 @@ WORKLOADS: dict[str, Callable[[Config, WorkerArgs], Awaitable[Results]]] = {
     "bandwidth": bandwidth,
     "fanin": fanin,
     "spread": spread,
+    "tcp": tcp,
 }
+TCP_ONLY: dict[str, Any] = {"transports": ("tcp",), "shared_memory": False}
+"""asyncrpc over TCP alone (no unix socket, no shared memory): ``--workload tcp``."""
 
 
 async def main(args: WorkerArgs) -> None:
@@ -292,6 +305,7 @@ async def main(args: WorkerArgs) -> None:
         world_size=args.world_size,
         init_method=args.init_method,
         rpc_timeout=cfg.rpc_timeout,
+        **(TCP_ONLY if args.workload == "tcp" else {}),
     )
     try:
         if not args.serves:

@@ -17,7 +17,7 @@ KB, MB, GB = 1 << 10, 1 << 20, 1 << 30
 CALLEE = "server"
 """The serving process: the last rank of every job; the other ranks (``w0``...) drive."""
 Results = dict[str, Any]
-WORKLOADS = ("calls", "cold", "steady", "bandwidth", "fanin", "spread")
+WORKLOADS = ("calls", "cold", "steady", "bandwidth", "fanin", "spread", "tcp")
 """What one job of fresh processes runs (bench_rpc.py's docstring describes each)."""
 BATCH, FEATURES, CLASSES = 32, 256, 10
 """Shape of the model-parallel step: a float32 batch of BATCH x FEATURES, CLASSES labels."""
@@ -207,7 +207,7 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> WorkerArgs:
     parser.add_argument("out", type=Path, help="folder where driving ranks write their results")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--workload", choices=WORKLOADS, default="calls")
-    parser.add_argument("--size", type=int, help="tensor size in bytes (cold, bandwidth)")
+    parser.add_argument("--size", type=int, help="tensor size in bytes (cold, bandwidth, tcp)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--cpu", type=int, help="run every thread of this process on this CPU")
     ns = parser.parse_args(argv)

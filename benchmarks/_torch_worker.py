@@ -218,6 +218,15 @@ def steady(cfg: Config, job: WorkerArgs) -> Results:
     return {"echo_ms": echo_rows(cfg, keep_previous=True)}
 
 
+def tcp(cfg: Config, job: WorkerArgs) -> Results:
+    """Over TCP only (see ``main``): the first echo of ``job.size`` bytes of a fresh
+    pair, then steady echoes of it with the previous result alive."""
+    assert job.size is not None
+    first = cold(cfg, job)
+    repeats = dict(cfg.echo_sizes).get(job.size, cfg.bandwidth_repeats(job.size))
+    return {**first, "echo_ms": echo_ms(cfg, job.size, repeats, keep_previous=True)}
+
+
 def bandwidth(cfg: Config, job: WorkerArgs) -> Results:
     """Echo times along ``cfg.bandwidth_sizes``, up to ``job.size`` bytes."""
     assert job.size is not None
@@ -258,7 +267,10 @@ WORKLOADS: dict[str, Callable[[Config, WorkerArgs], Results]] = {
     "bandwidth": bandwidth,
     "fanin": fanin,
     "spread": spread,
+    "tcp": tcp,
 }
+TCP_ONLY: dict[str, Any] = {"_transports": ["uv"], "_channels": ["basic"]}
+"""TensorPipe over TCP alone (no shared memory, no cross-memory attach): ``--workload tcp``."""
 
 
 def main() -> None:
@@ -270,7 +282,10 @@ def main() -> None:
     pin_to(args.cpu)
     cfg = config(args.quick)
     options = rpc.TensorPipeRpcBackendOptions(
-        init_method=args.init_method, num_worker_threads=16, rpc_timeout=cfg.rpc_timeout
+        init_method=args.init_method,
+        num_worker_threads=16,
+        rpc_timeout=cfg.rpc_timeout,
+        **(TCP_ONLY if args.workload == "tcp" else {}),
     )
     rpc.init_rpc(  # type: ignore[no-untyped-call]
         args.name, rank=args.rank, world_size=args.world_size, rpc_backend_options=options

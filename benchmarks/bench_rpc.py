@@ -77,6 +77,12 @@ The other workloads, each in processes of its own:
     one per round (rounds past ``--rounds`` run this job alone); each times
     2,000 single ``noop()`` calls after 500 warm-up calls.  The row gives the
     smallest and largest p50 over the pairs and their ratio.
+14. both frameworks forced onto TCP (``tcp``; one fresh pair per size and round):
+    asyncrpc with ``transports=("tcp",), shared_memory=False``, torch's TensorPipe
+    with ``_transports=["uv"], _channels=["basic"]``; the first echo of a 4, 64 or
+    400 MB tensor (after a no-op), then steady echoes of it as row 10 (target 1.5x
+    at 64 and 400 MB).  ``benchmarks/tcp_floor.py`` gives a raw socket's figures
+    for the same echo.
 
 How to read it
 --------------
@@ -103,7 +109,7 @@ bandwidth curve and N-client scaling to a PNG beside it (``--plot``).  A job
 that fails stops the run, but the rounds done so far are still reported.
 
 Usage: ``python benchmarks/bench_rpc.py [--quick] [--only torch|asyncrpc]
-[--rounds N] [--workloads calls,cold,steady,bandwidth,fanin,spread] [--skip-1g]
+[--rounds N] [--workloads calls,cold,steady,bandwidth,fanin,spread,tcp] [--skip-1g]
 [--pin same|split] [--json PATH] [--plot PATH]``.  ``--quick`` (one round, small
 counts, tensors up to 4 MB, up to 2 clients, 2 pairs for the spread: a minute
 or two) is the smoke test.
@@ -190,8 +196,8 @@ class Job:
 
 def jobs_of(cfg: Config, workload: str, largest: int) -> list[Job]:
     """The jobs one round runs for ``workload``; ``largest`` caps the bandwidth curve."""
-    if workload == "cold":
-        return [Job("cold", size=n, variant=size_label(n)) for n, _ in cfg.echo_sizes]
+    if workload in ("cold", "tcp"):
+        return [Job(workload, size=n, variant=size_label(n)) for n, _ in cfg.echo_sizes]
     if workload == "fanin":
         return [Job("fanin", clients=n, variant=str(n)) for n in cfg.fanin_clients]
     if workload == "bandwidth":
@@ -409,6 +415,7 @@ NOOP, COROUTINE, REMOTE, RREF_METHOD, STEP = (Target(b) for b in (4, 8, 2.5, 2.5
 PIPELINED, ECHO, BANDWIDTH, FANIN, SCALING = (Target(b) for b in (10, 2, 2, 3, 1))
 COLD = {400: Target(1.5)}
 STEADY = {4: Target(3), 64: Target(5), 400: Target(8)}
+TCP = {64: Target(1.5), 400: Target(1.5)}
 SPREAD = Target(1.3, at_most=True)
 SPREAD_JUDGED_FROM_PAIRS = 6
 
@@ -592,6 +599,31 @@ def steady_rows(cfg: Config, raw: Raw) -> list[Row]:
     ]
 
 
+def tcp_rows(cfg: Config, raw: Raw) -> list[Row]:
+    """Both frameworks forced onto TCP: the first echo of a fresh pair, then steady."""
+    rows = []
+    for nbytes, _ in cfg.echo_sizes:
+        key, mb = f"tcp/{size_label(nbytes)}", nbytes // MB
+        if ran(raw, key):
+            rows.append(
+                compare(
+                    f"tcp only: first echo {mb} MB",
+                    both(raw, key, at("first_echo_ms")),
+                    form=ms,
+                    target=None,
+                )
+            )
+            rows.append(
+                compare(
+                    f"tcp only: steady echo {mb} MB",
+                    both(raw, key, at("echo_ms")),
+                    form=ms,
+                    target=TCP.get(mb),
+                )
+            )
+    return rows
+
+
 def bandwidth_sizes(cfg: Config, raw: Raw) -> list[int]:
     """The sizes of the bandwidth curve that were measured."""
     first = next((jobs["bandwidth"][0] for jobs in raw.values() if "bandwidth" in jobs), {})
@@ -679,7 +711,8 @@ def spread_row(raw: Raw) -> list[Row]:
 
 def build_rows(cfg: Config, raw: Raw) -> list[Row]:
     rows = calls_rows(cfg, raw) if ran(raw, "calls") else []
-    rows += cold_rows(cfg, raw) + steady_rows(cfg, raw) + bandwidth_rows(cfg, raw)
+    rows += cold_rows(cfg, raw) + steady_rows(cfg, raw) + tcp_rows(cfg, raw)
+    rows += bandwidth_rows(cfg, raw)
     return rows + fanin_rows(cfg, raw) + spread_row(raw)
 
 

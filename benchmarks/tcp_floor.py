@@ -45,7 +45,7 @@ HIGH_WATER = 4 << 20
 def fresh(nbytes: int) -> tuple[torch.Tensor, memoryview]:
     """New tensor storage and a writable byte view of it (asyncrpc's wire allocator)."""
     storage = torch.empty(nbytes, dtype=torch.uint8)
-    return storage, memoryview(storage.numpy())
+    return storage, storage.numpy().data
 
 
 def connect(port: int) -> socket.socket:
