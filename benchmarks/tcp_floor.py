@@ -18,7 +18,9 @@ Each round runs every kind once, alternating, in a fresh pair of processes: one
 warm-up echo, then ``--echoes`` timed ones, of which the round keeps the median.
 Printed: GB/s of bytes moved (twice the payload per echo) for every round, and the
 median of the rounds.  Usage: ``python benchmarks/tcp_floor.py [--mb 4,64,400]
-[--rounds 5] [--echoes 5] [--kinds ...]``.
+[--rounds 5] [--echoes 5] [--kinds ...] [--socket-buffer BYTES]``; ``--socket-buffer``
+sets SO_SNDBUF and SO_RCVBUF of the raw kinds' sockets (default: the kernel's autotuning,
+as asyncrpc leaves it).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ import uvloop
 MB = 1 << 20
 HIGH_WATER = 4 << 20
 """asyncrpc's write-buffer high-water mark (``Link.connection_made``)."""
+BUFFER_ENV = "TCP_FLOOR_SOCKET_BUFFER"
+"""How ``--socket-buffer`` reaches the processes of a round."""
 
 
 def fresh(nbytes: int) -> tuple[torch.Tensor, memoryview]:
@@ -48,10 +52,18 @@ def fresh(nbytes: int) -> tuple[torch.Tensor, memoryview]:
     return storage, storage.numpy().data
 
 
-def connect(port: int) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port))
+def tune(sock: socket.socket) -> socket.socket:
+    """TCP_NODELAY, as asyncrpc sets it; and ``--socket-buffer`` bytes of SO_SNDBUF and
+    SO_RCVBUF if given (else the kernel sizes them itself)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if size := int(os.environ.get(BUFFER_ENV, "0")):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
     return sock
+
+
+def connect(port: int) -> socket.socket:
+    return tune(socket.create_connection(("127.0.0.1", port)))
 
 
 def recv_exactly(sock: socket.socket, view: memoryview) -> bool:
@@ -69,8 +81,7 @@ def recv_exactly(sock: socket.socket, view: memoryview) -> bool:
 
 
 def blocking_server(sock: socket.socket, nbytes: int, reuse: bool) -> None:
-    conn, _ = sock.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn = tune(sock.accept()[0])
     kept = fresh(nbytes)
     while True:
         _, view = kept if reuse else fresh(nbytes)
@@ -109,8 +120,7 @@ class Receiver(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport: asyncio.Transport = transport  # type: ignore[assignment]
         self.transport.set_write_buffer_limits(high=HIGH_WATER)
-        sock = transport.get_extra_info("socket")
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune(transport.get_extra_info("socket"))
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.view[self.filled :]
@@ -288,8 +298,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--echoes", type=int, default=5, help="timed echoes per round")
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"of {','.join(KINDS)}")
+    parser.add_argument(
+        "--socket-buffer", type=int, default=0, help="SO_SNDBUF/SO_RCVBUF bytes (raw kinds)"
+    )
     parser.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    os.environ[BUFFER_ENV] = str(args.socket_buffer)
     if args.role:
         play(*args.role)
         return
