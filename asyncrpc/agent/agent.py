@@ -804,6 +804,7 @@ class RpcAgent:
             "refused_connections": self._admission.refused,
             "dead_peers": sorted(self._shutdown.dead),
             "shared_memory": self._shared_memory_info(),
+            "received_storage": self._storage.stats,
             "links": self._links_info(),
             "thread_pool": self._inbound.pool_stats,
             "bytes": self._bytes_by_transport(),

@@ -67,6 +67,19 @@ class StoragePool:
     def idle_bytes(self) -> int:
         return self._idle_bytes
 
+    @property
+    def stats(self) -> dict[str, int]:
+        """Idle mappings kept warm (bytes, count, and the bound) and how receipts were
+        served: from an idle mapping, or a new one."""
+        with self._lock:
+            return {
+                "idle_bytes": self._idle_bytes,
+                "idle_mappings": len(self._idle),
+                "max_idle_bytes": self.max_idle_bytes,
+                "reused": self.reused,
+                "created": self.created,
+            }
+
     def allocate(self, nbytes: int) -> Allocation:
         """Storage for ``nbytes`` received bytes: (owner, writable byte view)."""
         if nbytes < self.min_bytes:

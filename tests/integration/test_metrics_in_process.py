@@ -107,3 +107,15 @@ async def test_the_thread_pool_and_lost_links_stay_in_the_figures(trio: list[Rpc
     await b.shutdown(graceful=False)
     await _until(lambda: not a.debug_info()["connected_peers"])
     assert a.debug_info()["bytes"]["unix"]["sent"] == sent  # kept after the link is gone
+
+
+async def test_warm_receive_storage_is_bounded_and_reported() -> None:
+    """Large tensors received through a socket land in pooled memory: a second one of
+    the same size reuses the first's once it died, and what idles is reported."""
+    options = AgentOptions(transports=("unix",), shared_memory=False, rpc_timeout=10)
+    async with joined_agents("ab", options) as (a, b):
+        for _ in range(2):  # each result dies before the next call
+            assert (await a.rpc_async("b", echo, (torch.ones(2 * MIB, dtype=torch.uint8),))).all()
+        storage = b.debug_info()["received_storage"]
+        assert storage["created"] == 1 and storage["reused"] == 1
+        assert 0 < storage["idle_bytes"] <= storage["max_idle_bytes"]
