@@ -26,7 +26,21 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
+import asyncrpc
+
 Worker = Callable[[int, int, argparse.Namespace], Awaitable[None]]
+
+
+async def trainer_and_ps(rank: int, world: int, run_trainer: Callable[[], Awaitable[None]]) -> None:
+    """A two-worker job: rank 0 joins as ``trainer`` and runs ``run_trainer()``, rank 1
+    joins as ``ps`` and serves; both then leave together."""
+    if world != 2:
+        raise SystemExit(f"this example runs 2 workers (trainer and ps), not {world}")
+    name = "trainer" if rank == 0 else "ps"
+    await asyncrpc.init_rpc(name, rank=rank, world_size=world, init_method="env://")
+    if rank == 0:
+        await run_trainer()
+    await asyncrpc.shutdown()
 
 
 def launch(worker: Worker, parser: argparse.ArgumentParser, *, timeout: float = 600.0) -> None:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _launch import base_parser, launch
+from _launch import base_parser, launch, trainer_and_ps
 from torch import nn
 
 import asyncrpc
@@ -191,13 +191,7 @@ def say(line: str) -> None:
 
 
 async def worker(rank: int, world: int, args: argparse.Namespace) -> None:
-    if world != 2:
-        raise SystemExit(f"this example runs 2 workers, not {world}")
-    name = "trainer" if rank == 0 else "ps"
-    await asyncrpc.init_rpc(name, rank=rank, world_size=world, init_method="env://")
-    if rank == 0:
-        await run_trainer(args)
-    await asyncrpc.shutdown()
+    await trainer_and_ps(rank, world, lambda: run_trainer(args))
 
 
 def main() -> None:

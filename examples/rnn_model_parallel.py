@@ -27,7 +27,7 @@ import argparse
 import time
 
 import torch
-from _launch import base_parser, launch
+from _launch import base_parser, launch, trainer_and_ps
 from _progress import progress, say
 from torch import nn
 
@@ -265,13 +265,7 @@ async def run_trainer(args: argparse.Namespace) -> None:
 
 
 async def worker(rank: int, world: int, args: argparse.Namespace) -> None:
-    if world != 2:
-        raise SystemExit(f"this example runs 2 workers (trainer and ps), not {world}")
-    name = "trainer" if rank == 0 else "ps"
-    await asyncrpc.init_rpc(name, rank=rank, world_size=world, init_method="env://")
-    if rank == 0:
-        await run_trainer(args)
-    await asyncrpc.shutdown()
+    await trainer_and_ps(rank, world, lambda: run_trainer(args))
 
 
 def main() -> None:
