@@ -20,8 +20,12 @@ are gone and the thread's are the last; a reference held elsewhere, such as a
 tensor on a view, just makes the unmap happen later, where that one dies).
 
 The housekeeping thread (one per process, started on first use) also runs
-timed chores (``call_at``): a segment pool trims idle segments it has kept past
-their grace period, whether or not anything else happens by then.  A chore that
+timed chores (``call_at``): a pool trims idle memory it has kept past its grace
+period, whether or not anything else happens by then.  Both pools that keep
+memory warm for reuse (the segment pool's idle segments, the receive storage's
+idle mappings) keep it in an :class:`IdleCache`, which holds the one rule for
+what is reused and what is dropped, and ask for their chores with
+:func:`schedule_trim`.  A chore that
 raises is logged; the thread carries on.  All these threads are daemons: at
 exit the kernel takes the mappings back anyway.
 """
@@ -34,9 +38,10 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 log = logging.getLogger("asyncrpc.transport")
 Chore = tuple[float, int, Callable[[], None]]
@@ -200,3 +205,93 @@ def _run_chore(chore: Callable[[], None]) -> None:
 
 
 housekeeper = Housekeeper()
+
+M = TypeVar("M")
+
+
+class IdleCache(Generic[M]):
+    """Memory kept warm for reuse, least recently returned first, and the rule that
+    bounds it: beyond ``max_idle_bytes``, what has been idle for ``idle_grace`` goes,
+    oldest first, never the newest (a repeated transfer keeps its warm memory).  A
+    buffer is reused for a request it holds with at most 25% to spare.  Not locked:
+    its pool's lock guards it, and the pool disposes of what it drops."""
+
+    def __init__(self, max_idle_bytes: int, idle_grace: float, size: Callable[[M], int]) -> None:
+        self.max_idle_bytes = max_idle_bytes
+        self.idle_grace = idle_grace
+        self._size = size
+        self._entries: list[tuple[M, float]] = []  # (buffer, when it was returned)
+        self.bytes = 0
+        self._trim_due = False  # a housekeeping chore will trim
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def buffers(self) -> list[M]:
+        return [buffer for buffer, _ in self._entries]
+
+    def add(self, buffer: M, now: float) -> None:
+        self._entries.append((buffer, now))
+        self.bytes += self._size(buffer)
+
+    def take(self, nbytes: int) -> M | None:
+        """The smallest idle buffer that holds ``nbytes`` with at most 25% to spare
+        (ties: the warmest), or None."""
+        size = self._size
+        fits = [i for i, (b, _) in enumerate(self._entries) if nbytes <= size(b) <= nbytes * 5 // 4]
+        if not fits:
+            return None
+        best = min(reversed(fits), key=lambda i: size(self._entries[i][0]))
+        return self._pop(best)
+
+    def pop_oldest(self) -> M:
+        return self._pop(0)
+
+    def clear(self) -> list[M]:
+        """Forget every idle buffer; they are returned for disposal."""
+        buffers = self.buffers
+        self._entries, self.bytes = [], 0
+        return buffers
+
+    def expired(self, now: float) -> tuple[list[M], float | None]:
+        """Take out the buffers the rule drops now; and when to look again (None: no
+        need, or a chore is due already)."""
+        dropped: list[M] = []
+        while self.bytes > self.max_idle_bytes and len(self._entries) > 1:
+            since = self._entries[0][1]
+            if since > now - self.idle_grace:
+                if self._trim_due:
+                    return dropped, None
+                self._trim_due = True
+                return dropped, since + self.idle_grace
+            dropped.append(self.pop_oldest())
+        return dropped, None
+
+    def chore_ran(self) -> None:
+        """The scheduled trim is running: a later one may be scheduled."""
+        self._trim_due = False
+
+    def _pop(self, index: int) -> M:
+        buffer = self._entries.pop(index)[0]
+        self.bytes -= self._size(buffer)
+        return buffer
+
+
+class Trimmable(Protocol):
+    def trim(self) -> None:
+        """Drop what the pool's IdleCache says is due."""
+
+
+def schedule_trim(pool: Trimmable, when: float | None) -> None:
+    """Have the housekeeping thread call ``pool.trim()`` at ``when`` (monotonic; None:
+    nothing to do), unless the pool is gone by then (a chore does not keep it alive)."""
+    if when is not None:
+        ref = weakref.ref(pool)
+        housekeeper.call_at(when, lambda: _trim_if_alive(ref))
+
+
+def _trim_if_alive(ref: weakref.ref[Trimmable]) -> None:
+    alive = ref()
+    if alive is not None:
+        alive.trim()

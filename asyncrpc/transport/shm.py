@@ -35,7 +35,8 @@ keeps its warm segment); the grace keeps a working set that cycles through
 more than the cap (two 400 MB segments in an echo) from being closed and
 faulted in again at every turn.  Capacities are multiples of ``GRANULE`` (64
 KiB), and an idle segment is reused for a buffer it holds with at most 25% to
-spare.
+spare (that rule, and the one for closing idle segments, are
+:class:`~asyncrpc.transport.housekeeping.IdleCache`'s).
 
 Lending and filling are separate steps: ``lend`` (cheap: a memfd and
 ``ftruncate``) fixes the key, so a frame can be encoded at once, and
@@ -74,7 +75,6 @@ import os
 import secrets
 import threading
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -82,7 +82,7 @@ from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from asyncrpc.errors import RemoteProtocolError
-from asyncrpc.transport.housekeeping import Copiers, housekeeper
+from asyncrpc.transport.housekeeping import Copiers, IdleCache, housekeeper, schedule_trim
 from asyncrpc.wire import ExternalRef
 
 log = logging.getLogger("asyncrpc.transport")
@@ -176,7 +176,6 @@ class Segment:
     capacity: int
     mapping: _Mapping | None = None
     lent_to: set[SegmentOwner] = field(default_factory=set)  # whose peers may map it
-    idle_since: float = 0.0  # time.monotonic() of its last release
     filled: int = 0  # the most bytes copied in so far: those pages are faulted in
     _lock: threading.Lock = field(default_factory=threading.Lock)  # fd against mapping
 
@@ -214,14 +213,10 @@ class SegmentPool:
         idle_grace: float = IDLE_GRACE,
     ) -> None:
         self.budget = budget
-        self.max_idle_bytes = max_idle_bytes
-        self.idle_grace = idle_grace
-        self._trim_due = False  # a housekeeping chore will trim
         self._lock = threading.Lock()
-        self._idle: list[Segment] = []  # least recently released first
+        self._idle = IdleCache[Segment](max_idle_bytes, idle_grace, _capacity)
         self._in_use: dict[int, tuple[Segment, SegmentOwner]] = {}
         self._bytes_in_use = 0
-        self._bytes_idle = 0
         self._peak = 0
         self._fallbacks = 0
         self._fallback_bytes = 0
@@ -230,6 +225,10 @@ class SegmentPool:
         self._copiers = Copiers(COPIER_THREADS, "asyncrpc-shm-copy")
         self._copying = 0
         self._probe = _create_probe()
+
+    @property
+    def max_idle_bytes(self) -> int:
+        return self._idle.max_idle_bytes
 
     @property
     def probe_key(self) -> int | None:
@@ -273,7 +272,7 @@ class SegmentPool:
             self._in_use[segment.key] = (segment, owner)
             self._bytes_lent += nbytes
             segment.lent_to.add(owner)
-            self._peak = max(self._peak, self._bytes_in_use + self._bytes_idle)
+            self._peak = max(self._peak, self._bytes_in_use + self._idle.bytes)
         return segment
 
     def put(self, data: memoryview, owner: SegmentOwner) -> ExternalRef | None:
@@ -300,21 +299,19 @@ class SegmentPool:
                 if entry is not None and entry[1] is owner:
                     del self._in_use[key]
                     self._bytes_in_use -= entry[0].capacity
-                    entry[0].idle_since = now
-                    self._idle.append(entry[0])
-                    self._bytes_idle += entry[0].capacity
-            closed, due = self._trim(now)
+                    self._idle.add(entry[0], now)
+            closed, due = self._idle.expired(now)
         self._close(closed)
-        self._schedule_trim(due)
+        schedule_trim(self, due)
 
     def trim(self) -> None:
         """Close idle segments beyond ``max_idle_bytes`` whose grace period is over
         (the housekeeping thread calls this when one ends)."""
         with self._lock:
-            self._trim_due = False
-            closed, due = self._trim(time.monotonic())
+            self._idle.chore_ran()
+            closed, due = self._idle.expired(time.monotonic())
         self._close(closed)
-        self._schedule_trim(due)
+        schedule_trim(self, due)
 
     def discard(self, segments: list[Segment], *, fallback: bool = False) -> None:
         """Close lent segments that will never reach their receiver (a failed copy;
@@ -334,14 +331,13 @@ class SegmentPool:
             segments = [self._in_use.pop(key)[0] for key in lost]
             self._bytes_in_use -= sum(s.capacity for s in segments)
             kept = (s for s, _ in self._in_use.values())
-            _forget_owner(owner, [*self._idle, *kept, *segments])
+            _forget_owner(owner, [*self._idle.buffers, *kept, *segments])
         self._close(segments)
 
     def close(self) -> None:
         with self._lock:
-            segments = self._idle + [s for s, _ in self._in_use.values()]
-            self._idle, self._in_use = [], {}
-            self._bytes_in_use = self._bytes_idle = 0
+            segments = self._idle.clear() + [s for s, _ in self._in_use.values()]
+            self._in_use, self._bytes_in_use = {}, 0
         _close_all(segments)  # peers are told nothing: their links go down now
         if self._probe is not None:
             self._probe.close()
@@ -355,7 +351,7 @@ class SegmentPool:
                 "budget": self.budget,
                 "max_idle_bytes": self.max_idle_bytes,
                 "bytes_in_use": self._bytes_in_use,
-                "bytes_idle": self._bytes_idle,
+                "bytes_idle": self._idle.bytes,
                 "peak_bytes": self._peak,
                 "segments_in_use": len(self._in_use),
                 "segments_idle": len(self._idle),
@@ -367,14 +363,10 @@ class SegmentPool:
     # -- under the lock ------------------------------------------------------------
 
     def _take_idle(self, nbytes: int) -> Segment | None:
-        """The smallest idle segment that holds ``nbytes`` with at most 25% to spare."""
-        fits = [s for s in self._idle if nbytes <= s.capacity <= nbytes + nbytes // 4]
-        if not fits:
-            return None
-        best = min(reversed(fits), key=lambda s: s.capacity)  # ties: the warmest
-        self._idle.remove(best)
-        self._bytes_idle -= best.capacity
-        self._bytes_in_use += best.capacity
+        """An idle segment for ``nbytes`` (see IdleCache.take), now in use."""
+        best = self._idle.take(nbytes)
+        if best is not None:
+            self._bytes_in_use += best.capacity
         return best
 
     def _reserve(self, nbytes: int, closed: list[Segment]) -> int:
@@ -383,36 +375,12 @@ class SegmentPool:
         capacity = -(-nbytes // GRANULE) * GRANULE
         if self._bytes_in_use + capacity > self.budget:
             return 0
-        while self._bytes_in_use + self._bytes_idle + capacity > self.budget:
-            closed.append(self._pop_oldest_idle())
+        while self._bytes_in_use + self._idle.bytes + capacity > self.budget:
+            closed.append(self._idle.pop_oldest())
         self._bytes_in_use += capacity
         return capacity
 
-    def _trim(self, now: float) -> tuple[list[Segment], float | None]:
-        """Idle segments beyond ``max_idle_bytes`` idle for ``idle_grace`` or more,
-        oldest first, never the newest; and when to look again (None: no need, or a
-        chore is due already)."""
-        closed: list[Segment] = []
-        while self._bytes_idle > self.max_idle_bytes and len(self._idle) > 1:
-            if self._idle[0].idle_since > now - self.idle_grace:
-                if self._trim_due:
-                    return closed, None
-                self._trim_due = True
-                return closed, self._idle[0].idle_since + self.idle_grace
-            closed.append(self._pop_oldest_idle())
-        return closed, None
-
-    def _pop_oldest_idle(self) -> Segment:
-        segment = self._idle.pop(0)
-        self._bytes_idle -= segment.capacity
-        return segment
-
     # -- outside the lock ----------------------------------------------------------
-
-    def _schedule_trim(self, when: float | None) -> None:
-        if when is not None:
-            pool = weakref.ref(self)  # a chore does not keep a dropped pool alive
-            housekeeper.call_at(when, lambda: _trim_if_alive(pool))
 
     def _create(self, capacity: int) -> Segment | None:
         serial = next(self._serials)
@@ -433,10 +401,8 @@ class SegmentPool:
         housekeeper.drop(segments)
 
 
-def _trim_if_alive(pool: weakref.ref[SegmentPool]) -> None:
-    alive = pool()
-    if alive is not None:
-        alive.trim()
+def _capacity(segment: Segment) -> int:
+    return segment.capacity
 
 
 def _close_all(segments: list[Segment]) -> dict[SegmentOwner, list[int]]:

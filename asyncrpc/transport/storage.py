@@ -16,7 +16,8 @@ view dies (a lease, as the shared-memory receiver's views have): the next large
 receipt of about that size reuses it, its pages already faulted in.  What it gives
 is the same kind of storage the shared-memory path already gives a receiver (a
 tensor on a mapping that is not torch's, so not resizable).  Idle mappings are
-bounded as the segment pool's are: beyond ``max_idle_bytes`` they are dropped,
+bounded as the segment pool's are, by the same
+:class:`~asyncrpc.transport.housekeeping.IdleCache`: beyond ``max_idle_bytes`` they are dropped,
 oldest first, once idle for ``idle_grace``, except the one returned last (a
 repeated transfer keeps its warm mapping); unmapping happens on the housekeeping
 thread.  A mapping is reused for a buffer it holds with at most 25% to spare.
@@ -33,7 +34,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Final
 
-from asyncrpc.transport.housekeeping import housekeeper
+from asyncrpc.transport.housekeeping import IdleCache, housekeeper, schedule_trim
 from asyncrpc.transport.shm import DEFAULT_MAX_IDLE, IDLE_GRACE, _Lease, _Mapping
 
 POOLED_MIN: Final = 1 << 20
@@ -54,18 +55,14 @@ class StoragePool:
     ) -> None:
         self._small = small
         self.min_bytes = min_bytes
-        self.max_idle_bytes = max_idle_bytes
-        self.idle_grace = idle_grace
-        self._idle: list[tuple[_Mapping, float]] = []  # oldest first, with when it came back
-        self._idle_bytes = 0
+        self._idle = IdleCache[_Mapping](max_idle_bytes, idle_grace, _nbytes)
         self._lock = threading.RLock()  # a lease may end on any thread, even inside ours
-        self._trim_due = False
         self.reused = 0  # allocations served from an idle mapping
         self.created = 0
 
     @property
     def idle_bytes(self) -> int:
-        return self._idle_bytes
+        return self._idle.bytes
 
     @property
     def stats(self) -> dict[str, int]:
@@ -73,9 +70,9 @@ class StoragePool:
         served: from an idle mapping, or a new one."""
         with self._lock:
             return {
-                "idle_bytes": self._idle_bytes,
+                "idle_bytes": self._idle.bytes,
                 "idle_mappings": len(self._idle),
-                "max_idle_bytes": self.max_idle_bytes,
+                "max_idle_bytes": self._idle.max_idle_bytes,
                 "reused": self.reused,
                 "created": self.created,
             }
@@ -97,29 +94,21 @@ class StoragePool:
     def clear(self) -> None:
         """Drop every idle mapping (those in use are unmapped when their tensors die)."""
         with self._lock:
-            dropped = [mapping for mapping, _ in self._idle]
-            self._idle, self._idle_bytes = [], 0
+            dropped = self._idle.clear()
         housekeeper.drop(dropped)
 
     def trim(self) -> None:
         """Drop idle mappings beyond ``max_idle_bytes`` whose grace period is over."""
         with self._lock:
-            self._trim_due = False
-            dropped, due = self._trim(time.monotonic())
+            self._idle.chore_ran()
+            dropped, due = self._idle.expired(time.monotonic())
         housekeeper.drop(dropped)
-        self._schedule_trim(due)
+        schedule_trim(self, due)
 
     def _take_idle(self, nbytes: int) -> _Mapping | None:
-        """The smallest idle mapping that holds ``nbytes`` with at most 25% to spare."""
+        """An idle mapping for ``nbytes`` (see IdleCache.take), or None."""
         with self._lock:
-            idle = self._idle
-            fits = [i for i, (m, _) in enumerate(idle) if nbytes <= m.nbytes <= nbytes * 5 // 4]
-            if not fits:
-                return None
-            best = min(reversed(fits), key=lambda i: self._idle[i][0].nbytes)  # ties: warmest
-            mapping = self._idle.pop(best)[0]
-            self._idle_bytes -= mapping.nbytes
-            return mapping
+            return self._idle.take(nbytes)
 
     @staticmethod
     def _give_back(pool_ref: weakref.ref[StoragePool], mapping: _Mapping) -> None:
@@ -127,36 +116,13 @@ class StoragePool:
         pool = pool_ref()
         if pool is None or sys.is_finalizing():  # no thread starts now: unmap it here
             return
+        now = time.monotonic()
         with pool._lock:
-            pool._idle.append((mapping, time.monotonic()))
-            pool._idle_bytes += mapping.nbytes
-            dropped, due = pool._trim(time.monotonic())
+            pool._idle.add(mapping, now)
+            dropped, due = pool._idle.expired(now)
         housekeeper.drop(dropped)
-        pool._schedule_trim(due)
-
-    def _trim(self, now: float) -> tuple[list[_Mapping], float | None]:
-        """Under the lock: idle mappings beyond ``max_idle_bytes`` idle for
-        ``idle_grace``, oldest first, never the newest; and when to look again."""
-        dropped: list[_Mapping] = []
-        while self._idle_bytes > self.max_idle_bytes and len(self._idle) > 1:
-            mapping, since = self._idle[0]
-            if since > now - self.idle_grace:
-                if self._trim_due:
-                    return dropped, None
-                self._trim_due = True
-                return dropped, since + self.idle_grace
-            self._idle.pop(0)
-            self._idle_bytes -= mapping.nbytes
-            dropped.append(mapping)
-        return dropped, None
-
-    def _schedule_trim(self, when: float | None) -> None:
-        if when is not None:
-            pool = weakref.ref(self)  # a chore does not keep a dropped pool alive
-            housekeeper.call_at(when, lambda: _trim_if_alive(pool))
+        schedule_trim(pool, due)
 
 
-def _trim_if_alive(pool: weakref.ref[StoragePool]) -> None:
-    alive = pool()
-    if alive is not None:
-        alive.trim()
+def _nbytes(mapping: _Mapping) -> int:
+    return mapping.nbytes
