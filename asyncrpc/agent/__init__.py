@@ -6,6 +6,7 @@ from asyncrpc.agent.agent import (
     Extension,
     RpcAgent,
     current_agent,
+    on_loop_thread,
     set_default_agent,
 )
 from asyncrpc.agent.dispatch import async_execution, on_loop
@@ -28,6 +29,7 @@ __all__ = (
     "on_notice",
     "propagate",
     "current_agent",
+    "on_loop_thread",
     "current_transfer",
     "start_after",
     "set_default_agent",

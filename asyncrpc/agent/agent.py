@@ -636,11 +636,12 @@ class RpcAgent:
         lost contact with ``peer`` (see :meth:`~asyncrpc.agent.routes.Routes.lost`)."""
         lost = self._routes.lost_contact(peer)
         bound = self.options.redial_timeout
+        connecting = dial(address, lambda: self._new_link(Role.DIALER), worker=peer)
         if lost is None or bound >= self.options.connect_timeout:
-            return await dial(address, lambda: self._new_link(Role.DIALER), worker=peer)
+            return await connecting
         try:
             async with asyncio.timeout(bound):
-                return await dial(address, lambda: self._new_link(Role.DIALER), worker=peer)
+                return await connecting
         except TimeoutError:
             raise PeerLostError(
                 f"worker {peer!r} at {address} did not answer within {bound:g}s "
@@ -671,8 +672,7 @@ class RpcAgent:
         call = self._pending.pop(call_id, None)
         if call is None:
             return
-        outcome = "ok" if error is None else outcome_of(error)
-        self.metrics.made(call.function, outcome, time.perf_counter() - call.started)
+        self.metrics.made(call.function, outcome_of(error), time.perf_counter() - call.started)
         if call.span is not None:
             spans.end(call.span)
         if call.timer is not None:
@@ -843,7 +843,7 @@ class RpcAgent:
         """From another thread: run ``start()`` on the loop and wait for it (the
         blocking form of a call).  ``limit`` (seconds, 0: none) bounds the wait; ``what``
         names the call in errors.  On the loop thread it raises instead of deadlocking."""
-        if self._loop.is_running() and _on_loop_thread(self._loop):
+        if self._loop.is_running() and on_loop_thread(self._loop):
             raise AgentStateError(
                 f"{what} was called on the event loop thread, where it would deadlock; "
                 "await the async form there"
@@ -940,7 +940,8 @@ def _busy(exc: BaseException) -> bool:
     return isinstance(cause, HandshakeError) and bool(cause.details.get("timed_out"))
 
 
-def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
+def on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether this thread is running ``loop`` now."""
     try:
         return asyncio.get_running_loop() is loop
     except RuntimeError:  # no loop runs in this thread

@@ -31,8 +31,8 @@ arrival to its reply, and of those, how long it waited to start (for a pool
 call, until a thread took it); while a torch profiler runs, those moments
 also bound its spans (:mod:`asyncrpc.agent.spans`).  A reply larger than the
 caller accepts (its ``max_frame_size``, announced in the handshake) is not
-sent: the call's ERROR
-reply is the ``LocalProtocolError`` that says so, and the link stays up.  A
+sent: the call's ERROR reply is the ``LocalProtocolError`` that says so, and
+the link stays up.  A
 CANCEL from the caller (its deadline passed) cancels a task or awaitable; a
 pool thread cannot be interrupted, and its late result is dropped.  Per link,
 more than ``max_running`` calls in flight pause reading until half of them

@@ -133,9 +133,7 @@ class CallMetrics:
         if calls is None:
             calls = self._made[function] = FunctionCalls(queued=False)
         calls.outcomes[_OUTCOME_INDEX[outcome]] += 1
-        histogram = calls.seconds
-        histogram.counts[bisect_left(BUCKETS, seconds)] += 1
-        histogram.total += seconds
+        calls.seconds.observe(seconds)
 
     def served(self, function: str, outcome: str, seconds: float, queued: float) -> None:
         """A call this worker served ended: ``seconds`` from arrival to reply, of which

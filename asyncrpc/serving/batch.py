@@ -42,7 +42,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
-from asyncrpc.agent import RpcAgent, current_agent
+from asyncrpc.agent import RpcAgent, current_agent, on_loop_thread
 from asyncrpc.agent.dispatch import function_name
 from asyncrpc.errors import AgentStateError
 from asyncrpc.serving.queue import BatchQueue, check_limits
@@ -82,7 +82,7 @@ class Batcher:
         """New limits for the batches formed from now on (any thread)."""
         self._queue.max_size, self._queue.max_wait = max_size, max_wait
         self._queue.max_queue = max_queue
-        if _on_loop(self._loop):
+        if on_loop_thread(self._loop):
             self._schedule()
         elif not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._schedule, context=self._own_context)
@@ -311,7 +311,7 @@ class BatchedFunction(Generic[T, R]):
 
     def _batcher(self) -> Batcher:
         agent = current_agent()
-        if agent is not None and _on_loop_of(agent):
+        if agent is not None and on_loop_thread(agent.loop):
             return agent.extension(BatchService.KEY, BatchService).batcher(self)
         loop = asyncio.get_running_loop()  # no agent serves here: batch on this loop
         found = self._local.get(loop)
@@ -326,17 +326,6 @@ class BatchedFunction(Generic[T, R]):
         if asyncio.iscoroutinefunction(fn):
             return loop.create_task(fn(items))
         return loop.run_in_executor(None, fn, items)
-
-
-def _on_loop_of(agent: RpcAgent) -> bool:
-    return _on_loop(agent.loop)
-
-
-def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
 
 
 @overload
