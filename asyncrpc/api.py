@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -26,12 +27,21 @@ from asyncrpc.rendezvous import (
     Store,
     create_store,
     exchange,
+    gather,
     job_secret,
     listen_host_for,
     scoped,
     store_name,
 )
 from asyncrpc.rref import context_for
+from asyncrpc.serde import cuda
+from asyncrpc.serde.devices import (
+    WorkerDevices,
+    devices_used,
+    normalize_devices,
+    normalize_maps,
+    validate,
+)
 from asyncrpc.transport import DEFAULT_BUDGET, DEFAULT_MAX_IDLE, DEFAULT_SILENT_PEER_TIMEOUT
 from asyncrpc.wire import DEFAULT_MAX_FRAME_SIZE
 
@@ -60,6 +70,8 @@ async def init_rpc(
     silent_peer_timeout: float = DEFAULT_SILENT_PEER_TIMEOUT,
     metrics_port: int | None = None,
     dashboard: bool | None = None,
+    device_maps: Mapping[str, Mapping[Any, Any]] | None = None,
+    devices: Sequence[Any] | None = None,
 ) -> None:
     """Join the job as worker ``name`` and start serving calls.
 
@@ -89,7 +101,15 @@ async def init_rpc(
     ``/metrics`` (Prometheus) and ``/debug`` (JSON) over HTTP on the listen host, at
     ``metrics_port + rank`` (0: a free port); ``dashboard`` (default: on rank 0 when
     metrics are served) adds the live job dashboard at ``/``.  See
-    docs/observability.md.  Returns once every worker has joined.
+    docs/observability.md.
+    ``device_maps`` (``{"w1": {"cuda:0": "cuda:1"}}``; devices as ints, strings or
+    ``torch.device``) says where this worker's CUDA tensors land on each peer, as
+    torch's ``set_device_map`` does; replies travel by the inverse.  ``devices``
+    lists the CUDA devices this worker uses (default: those the maps name).  Every
+    worker's maps are checked against every other's devices here (``ValueError``).
+    Between processes of one host, CUDA tensors travel by CUDA IPC (unless
+    ``shared_memory=False``), else through pinned host memory; see docs/cuda.md.
+    Returns once every worker has joined.
     """
     running = current_agent()
     if running is not None and running.state is not Lifecycle.CLOSED:
@@ -119,15 +139,19 @@ async def init_rpc(
         busy_poll=busy_poll,
         handshake_timeout=handshake_timeout,
         silent_peer_timeout=silent_peer_timeout,
+        devices=normalize_devices(devices),
+        device_maps=normalize_maps(device_maps),
     )
     agent = RpcAgent(name, rank, secret, options)
     me = await agent.start()
+    record = {**me.to_dict(), "cuda": agent.my_devices.to_dict()}
     try:
-        records = await _rendezvous(exchange, store, rank, world_size, me.to_dict(), name)
+        records = await _rendezvous(exchange, store, rank, world_size, record, name)
+        cuda_devices = await _cuda_devices(store, rank, records)
     except BaseException:
         await agent.shutdown(graceful=False)
         raise
-    agent.join([WorkerAddress.from_dict(r) for r in records])
+    agent.join([WorkerAddress.from_dict(r) for r in records], cuda_devices)
     context_for(agent)  # RRefs and autograd contexts are part of every agent: count
     contexts_of(agent)  # them (get_debug_info) from the start
     agent.store = store
@@ -135,6 +159,25 @@ async def init_rpc(
     port = metrics_port if metrics_port is not None else _port_from_env()
     if port is not None:
         await _observe(agent, listen_host, port + rank if port else 0, dashboard, rank)
+
+
+async def _cuda_devices(
+    store: Store, rank: int, records: list[dict[str, Any]]
+) -> dict[str, WorkerDevices]:
+    """Every worker's CUDA devices and maps, checked (``ValueError``, the same on every
+    worker).  In a job with device maps, the workers then publish their GPUs' UUIDs,
+    so that senders know which peers can open their memory by CUDA IPC."""
+    found = {r["name"]: WorkerDevices.from_dict(r["name"], r.get("cuda")) for r in records}
+    validate(found)
+    if not any(w.maps for w in found.values()):
+        return found
+    me = records[rank]["name"]
+    uuids = cuda.gpu_uuids() if devices_used(me, found) else {}
+    mine = {f"cuda:{index}": uuid for index, uuid in uuids.items()}
+    what = ("published their GPUs", "the workers' GPUs")
+    gpus = await _rendezvous(gather, store, "gpus", rank, len(records), mine, what)
+    named = zip(records, gpus, strict=True)
+    return {r["name"]: replace(found[r["name"]], gpus=g) for r, g in named}
 
 
 async def _observe(

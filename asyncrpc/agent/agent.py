@@ -79,7 +79,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from asyncrpc.agent import spans
@@ -110,12 +110,20 @@ from asyncrpc.errors import (
     SerializationError,
     UnknownWorkerError,
 )
-from asyncrpc.serde import allocate_tensor_storage
+from asyncrpc.serde import allocate_tensor_storage, cuda
+from asyncrpc.serde.devices import (
+    CudaRoute,
+    DeviceMap,
+    WorkerDevices,
+    devices_used,
+    route,
+)
 from asyncrpc.transport import (
     DEFAULT_BUDGET,
     DEFAULT_MAX_IDLE,
     DEFAULT_SILENT_PEER_TIMEOUT,
     KERNEL,
+    MEMORY,
     SCHEMES,
     Admission,
     Host,
@@ -173,6 +181,8 @@ class AgentOptions:
     busy_poll: float | None = None  # None: DEFAULT_BUSY_POLL while this host has a CPU each
     max_running_per_link: int = 4096
     max_pending_handshakes: int = 64  # inbound connections authenticating at once
+    devices: tuple[str, ...] = ()  # CUDA devices this worker uses (empty: from the maps)
+    device_maps: dict[str, DeviceMap] = field(default_factory=dict)  # normalised
 
     def timeout_for(self, timeout: float | None) -> float:
         """A call's timeout in seconds, as torch reads it: None or negative (torch's
@@ -242,8 +252,10 @@ class RpcAgent:
         self._links: dict[str, Link] = {}  # outgoing, by peer name
         self._routes = Routes(options.transports, self.host)  # how each peer is dialed
         self._dials: dict[str, asyncio.Future[Link]] = {}
-        # Messages waiting for a peer's link, in order: one task sends them all once it
-        # is up, so a message made after the link came up cannot overtake them.
+        self._devices: dict[str, WorkerDevices] = {}  # each worker's CUDA devices and maps
+        self._cuda_routes: dict[tuple[int, bool], CudaRoute] = {}
+        # Messages waiting for a peer's link (or for their CUDA copies), in order: one
+        # task sends them all once they can go, so no later message overtakes them.
         self._backlog: dict[str, list[Outgoing]] = {}
         self._pending: dict[int, PendingCall] = {}
         self._notices = Notices()
@@ -275,8 +287,12 @@ class RpcAgent:
         self.state = Lifecycle.LISTENING
         return self.address
 
-    def join(self, workers: list[WorkerAddress]) -> None:
-        """Learn every worker of the job (from rendezvous); calls may start."""
+    def join(
+        self, workers: list[WorkerAddress], devices: dict[str, WorkerDevices] | None = None
+    ) -> None:
+        """Learn every worker of the job and their CUDA devices and maps (from
+        rendezvous, checked); calls may start."""
+        self._devices = devices or {}
         self._workers = {w.name: w for w in workers}
         self._by_rank = {w.rank: w for w in workers}
         self._poller.window = self._busy_poll_window(workers)
@@ -286,6 +302,45 @@ class RpcAgent:
         for link, frame in early:
             if not link.closed:
                 self.frame_received(link, frame)
+
+    @property
+    def my_devices(self) -> WorkerDevices:
+        """This worker's CUDA devices and maps, as published at rendezvous."""
+        return WorkerDevices(
+            self.info.name,
+            cuda.device_count(),
+            self.options.devices,
+            self.options.device_maps,
+        )
+
+    def cuda_route(self, peer_rank: int, *, reply: bool) -> CudaRoute:
+        """Where the CUDA tensors of a request (or a reply) to ``peer_rank`` land, and
+        whether they may travel by CUDA IPC (see :mod:`asyncrpc.serde.devices`)."""
+        key = (peer_rank, reply)
+        found = self._cuda_routes.get(key)
+        if found is None:
+            peer = self._by_rank[peer_rank]
+            found = self._cuda_routes[key] = route(
+                self._devices.get(self.info.name) or self.my_devices,
+                self._devices.get(peer.name) or WorkerDevices(peer.name, 0),
+                reply=reply,
+                same_host=self.options.shared_memory
+                and self.host.refusal(Host.parse(peer.host), MEMORY) is None,
+            )
+        return found
+
+    def _cuda_info(self) -> dict[str, Any]:
+        """CUDA devices, maps, the path to each peer, and tensors sent and received."""
+        me = self._devices.get(self.info.name)
+        if me is None or not (me.maps or any(w.maps for w in self._devices.values())):
+            return {"devices": [], "device_maps": {}, **cuda.stats()}
+        paths = {}
+        for peer in sorted(self._workers):
+            if peer != self.info.name:
+                ipc = self.cuda_route(self._workers[peer].rank, reply=False).ipc
+                paths[peer] = "cuda ipc" if ipc else "host staging"
+        used = devices_used(self.info.name, self._devices)
+        return {"devices": list(used), "device_maps": dict(me.maps), "paths": paths, **cuda.stats()}
 
     def _busy_poll_window(self, workers: list[WorkerAddress]) -> float:
         """The configured window; by default, polling only while every worker of this
@@ -527,7 +582,7 @@ class RpcAgent:
         """Write ``message`` now if ``peer``'s link is up and nothing waits for it, else
         queue it behind the dial."""
         link = self._links.get(peer)
-        if link is not None and peer not in self._backlog:
+        if link is not None and peer not in self._backlog and message.ready:
             self._write(link, message)
         else:
             self._queue_behind_dial(peer, message)
@@ -565,8 +620,9 @@ class RpcAgent:
         backlog.append(message)
 
     async def _send_after_dial(self, peer: str) -> None:
-        """Send ``peer``'s backlog, in order, once its link is up; or fail it.  A peer
-        that cannot be reached (unlike a busy one) has no use for notices any more."""
+        """Send ``peer``'s backlog, in order, once its link is up and each message is
+        ready (its CUDA copies done); or fail it.  A peer that cannot be reached
+        (unlike a busy one) has no use for notices any more."""
         try:
             link = await self._connect(peer)
         except Exception as exc:
@@ -575,11 +631,20 @@ class RpcAgent:
             if not _busy(exc):
                 self._notices.forget(peer)
             return
-        for message in self._backlog.pop(peer, []):
+        backlog = self._backlog[peer]
+        while backlog:  # (messages queued meanwhile join the end)
+            message = backlog[0]
+            try:
+                await message.wait_staged()
+            except Exception as exc:  # a CUDA error: this call fails, the others go on
+                self._drop(backlog.pop(0), exc, link)
+                continue
+            backlog.pop(0)
             if message.call_id is None or message.call_id in self._pending:
                 self._write(link, message)
             else:  # its call timed out while dialing
                 self._drop(message, None, link)
+        del self._backlog[peer]
 
     async def _connect(self, peer: str) -> Link:
         link = self._links.get(peer)
@@ -809,6 +874,7 @@ class RpcAgent:
             "thread_pool": self._inbound.pool_stats,
             "bytes": self._bytes_by_transport(),
             "calls": self.metrics.snapshot(),
+            "cuda": self._cuda_info(),
         }
         for extension in self._extensions.values():
             info.update(extension.debug_info())

@@ -151,6 +151,7 @@ class Inbound:
         self._loop = asyncio.get_running_loop()
         self._runner = Runner(threads, f"asyncrpc-{worker}")
         self._links: dict[Link, _LinkCalls] = {}
+        self._staging: set[asyncio.Task[Any]] = set()  # replies waiting for CUDA copies
 
     @property
     def pool_stats(self) -> dict[str, int]:
@@ -192,6 +193,8 @@ class Inbound:
         return sum(len(calls.running) for calls in self._links.values())
 
     def close(self) -> None:
+        for task in self._staging:
+            task.cancel()
         for link in list(self._links):
             self.drop_link(link)
             link.close()
@@ -349,6 +352,11 @@ class Inbound:
         if call.span is not None:
             call.span.taken()
         reply = self._reply_of(call, func(*args, **kwargs))
+        try:
+            reply.wait_staged_here()  # (its CUDA copies: this is a pool thread)
+        except BaseException:
+            reply.abandon()
+            raise
         return EncodedReply(reply.encode_for(call.link), reply)  # (abandoned if refused)
 
     def _reply(self, call: IncomingCall, ok: bool, value: Any) -> None:
@@ -377,9 +385,23 @@ class Inbound:
 
     def _send_result(self, call: IncomingCall, result: Any) -> None:
         try:
-            self._reply_of(call, result).send_on(call.link)
+            reply = self._reply_of(call, result)
+            if not reply.ready:  # CUDA copies still running: send it once they are done
+                self._staging.add(self._loop.create_task(self._send_when_staged(call, reply)))
+                return
+            reply.send_on(call.link)
         except Exception as exc:  # (a reply the link refused is abandoned)
             self._reply_error(call, exc)
+
+    async def _send_when_staged(self, call: IncomingCall, reply: Outgoing) -> None:
+        try:
+            await reply.wait_staged()
+            reply.send_on(call.link)
+        except Exception as exc:
+            reply.abandon()
+            self._reply_error(call, exc)
+        finally:
+            self._staging.discard(asyncio.current_task())
 
     def _reply_of(self, call: IncomingCall, result: Any) -> Outgoing:
         """``result`` serialised as ``call``'s RESPONSE."""

@@ -19,6 +19,10 @@ reducers -- until one of its two endings:
   reducers' effects are undone, latest first, and its notices are given back to
   the queue they came from, to leave with the next message or a NOTICE frame.
 
+A message with CUDA tensors staged through host memory is not ready to be
+written until their copies are done: ``staged`` holds the copies' events, and
+:meth:`~Outgoing.wait_staged` waits for them without holding the loop.
+
 The first ending decides; a later one does nothing.  :meth:`~Outgoing.send_on`
 and :meth:`~Outgoing.encode_for` end a message themselves when the link refuses
 it: abandoned, and the link's error raised.
@@ -26,11 +30,13 @@ it: abandoned, and the link's error raised.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
 from asyncrpc.agent.notices import Notice
 from asyncrpc.errors import PeerLostError
+from asyncrpc.serde import cuda
 from asyncrpc.transport import Link
 from asyncrpc.transport.flow import Parts
 from asyncrpc.wire import Kind
@@ -51,6 +57,7 @@ class Outgoing:
         "kind",
         "meta",
         "payload",
+        "staged",
     )
 
     def __init__(
@@ -72,6 +79,26 @@ class Outgoing:
         self._notices: list[Notice] = []
         self._give_back: Callable[[list[Notice]], None] | None = None
         self._ended = False
+        self.staged: list[Any] = []  # events of CUDA copies still to finish (see module doc)
+
+    @property
+    def ready(self) -> bool:
+        """Whether it may be written now (its CUDA copies, if any, are done)."""
+        if self.staged and cuda.all_done(self.staged):
+            self.staged = []
+        return not self.staged
+
+    async def wait_staged(self) -> None:
+        """Until its CUDA copies are done, waiting in a thread (the loop goes on)."""
+        if not self.ready:
+            await asyncio.to_thread(cuda.synchronize, self.staged)
+            self.staged = []
+
+    def wait_staged_here(self) -> None:
+        """Until its CUDA copies are done, blocking this thread (never the loop's)."""
+        if self.staged:
+            cuda.synchronize(self.staged)
+            self.staged = []
 
     @property
     def size(self) -> int:

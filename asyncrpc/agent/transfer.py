@@ -22,6 +22,12 @@ start without (the value of an RRef its owner is still making) calls
 :func:`start_after`: the call then starts once that future is done, without
 holding the loop or a thread meanwhile.
 
+CUDA tensors find their message's route (device map, CUDA IPC or not) through
+the same context variable: :func:`_cuda_destination` asks the agent.  Their
+copies to pinned host memory are still running when ``dumps`` returns; the
+events that say they are done go into ``Outgoing.staged``, and the message is
+written once they have fired.
+
 Context variables registered with :func:`propagate` travel with every request
 (in the frame's header) and are set while the called function runs:
 distributed autograd uses this to run a callee inside the caller's context.
@@ -36,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrpc.agent.outgoing import Outgoing, Undo
-from asyncrpc.serde import dumps, loads
+from asyncrpc.serde import cuda, dumps, loads
 from asyncrpc.wire import Kind
 
 
@@ -51,6 +57,14 @@ class Transfer:
     request: bool  # a request (else a reply); requests and replies use different links
     undo: list[Undo] = field(default_factory=list)  # see dumps_request
     waits: list[asyncio.Future[Any]] = field(default_factory=list)  # see start_after
+    function: str = "?"
+    staged: list[Any] = field(default_factory=list)  # CUDA copies the message waits for
+
+    def what(self) -> str:
+        """The message, as errors name it."""
+        if self.request:
+            return f"call to {self.function}"
+        return f"reply of {self.function}"
 
 
 _transfer: contextvars.ContextVar[Transfer | None] = contextvars.ContextVar(
@@ -94,13 +108,26 @@ def start_after(future: asyncio.Future[Any]) -> None:
         transfer.waits.append(future)
 
 
+def _cuda_destination() -> cuda.Destination:
+    """The route of the message being serialised in this thread (see serde.cuda)."""
+    transfer = _transfer.get()
+    if transfer is None:
+        return None, None
+    route = transfer.agent.cuda_route(transfer.peer_rank, reply=not transfer.request)
+    return route.named(f"{transfer.what()} for worker {route.peer!r}"), transfer.staged
+
+
+cuda.set_destination(_cuda_destination)
+
+
 def dumps_request(
     agent: Any, peer_rank: int, value: Any, *, call_id: int, function: str
 ) -> Outgoing:
     """Call ``call_id`` of ``function`` (``value``: what to run) for worker ``peer_rank``,
     serialised by ``agent``, as a REQUEST that undoes its reducers' effects if it never
     leaves."""
-    message = _dumps(Transfer(agent, peer_rank, True), Kind.REQUEST, value, function)
+    transfer = Transfer(agent, peer_rank, True, function=function)
+    message = _dumps(transfer, Kind.REQUEST, value)
     message.meta["i"], message.meta["f"] = call_id, function
     return message
 
@@ -109,12 +136,12 @@ def dumps_reply(agent: Any, peer_rank: int, value: Any, *, call_id: int, functio
     """The result of call ``call_id`` (of ``function``) from worker ``peer_rank``,
     serialised by ``agent``, as a RESPONSE that undoes its reducers' effects if it never
     leaves."""
-    message = _dumps(Transfer(agent, peer_rank, False), Kind.RESPONSE, value, function)
+    message = _dumps(Transfer(agent, peer_rank, False, function=function), Kind.RESPONSE, value)
     message.meta["i"] = call_id
     return message
 
 
-def _dumps(transfer: Transfer, kind: Kind, value: Any, function: str) -> Outgoing:
+def _dumps(transfer: Transfer, kind: Kind, value: Any) -> Outgoing:
     token = _transfer.set(transfer)
     try:
         payload, buffers = dumps(value)
@@ -124,7 +151,9 @@ def _dumps(transfer: Transfer, kind: Kind, value: Any, function: str) -> Outgoin
         raise
     finally:
         _transfer.reset(token)
-    return Outgoing(kind, {}, payload, buffers, function=function, undo=transfer.undo)
+    message = Outgoing(kind, {}, payload, buffers, function=transfer.function, undo=transfer.undo)
+    message.staged = transfer.staged
+    return message
 
 
 def loads_request(

@@ -199,12 +199,8 @@ def exchange(
     duplicate name still reaches the store rank 0 hosts, and each rank says what
     is wrong rather than only that the store went away."""
     claims = store.add(f"name/{name}", 1)
-    store.set(f"worker/{rank}", msgpack.packb(record))
-    _wait_for_ranks(store, "worker", world_size, "joined", rank)
-    records = [msgpack.unpackb(bytes(store.get(f"worker/{r}"))) for r in range(world_size)]
-    store.set(f"read/{rank}", b"")
-    if rank == 0:
-        _wait_for_ranks(store, "read", world_size, "read the workers' addresses", rank)
+    what = ("joined", "the workers' addresses")
+    records = gather(store, "worker", rank, world_size, record, what)
     if claims > 1:
         raise ValueError(f"worker name {name!r} is not unique: more than one rank uses it")
     seen: dict[str, int] = {}
@@ -216,6 +212,21 @@ def exchange(
             )
         seen[r["name"]] = r["rank"]
     return records
+
+
+def gather(  # noqa: PLR0917 (the rendezvous runs it in a thread: positional)
+    store: Store, prefix: str, rank: int, world_size: int, value: Any, what: tuple[str, str]
+) -> list[Any]:
+    """Publish ``value`` (msgpack-able) and return every rank's, by rank.  Rank 0 (which
+    may host the store) goes on only once every rank has read them all.  ``what``: the
+    step and the values, as a timeout names them ("joined", "the workers' addresses")."""
+    store.set(f"{prefix}/{rank}", msgpack.packb(value))
+    _wait_for_ranks(store, prefix, world_size, what[0], rank)
+    values = [msgpack.unpackb(bytes(store.get(f"{prefix}/{r}"))) for r in range(world_size)]
+    store.set(f"{prefix}/read/{rank}", b"")
+    if rank == 0:
+        _wait_for_ranks(store, f"{prefix}/read", world_size, f"read {what[1]}", rank)
+    return values
 
 
 _HOST_GRACE = timedelta(seconds=5)

@@ -27,7 +27,8 @@ the PickleBuffer it wrapped.  A PickleBuffer it does not know (another library's
 ``__reduce_ex__``) is written into the stream: the receiver could not read it
 from tensor storage anyway.  numpy arrays take the tensor path
 (:mod:`asyncrpc.serde.arrays`), and sparse tensors travel as their strided parts
-(:mod:`asyncrpc.serde.sparse`).
+(:mod:`asyncrpc.serde.sparse`).  CUDA tensors travel by the route of the message
+they ride in (:mod:`asyncrpc.serde.cuda`, :mod:`asyncrpc.serde.devices`).
 """
 
 from __future__ import annotations
@@ -44,9 +45,16 @@ import numpy as np
 import torch
 
 from asyncrpc.errors import AsyncRPCError, SerializationError
+from asyncrpc.serde import cuda
 from asyncrpc.serde.arrays import reduce_ndarray
 from asyncrpc.serde.sparse import dump_sparse, load_sparse
-from asyncrpc.serde.tensors import dump_tensor, load_tensor
+from asyncrpc.serde.tensors import (
+    byte_view,
+    dump_cuda_tensor,
+    dump_tensor,
+    load_ipc_tensor,
+    load_tensor,
+)
 
 _REDUCERS: dict[type, Callable[[Any], Any]] = {}
 _local = threading.local()  # per thread: the reusable pickler, the current dump's views
@@ -64,11 +72,24 @@ def reduce_tensor(obj: Any) -> Any:
     usual form."""
     if not isinstance(obj, torch.Tensor):
         return NotImplemented
+    if obj.is_cuda:
+        return _reduce_cuda(obj)
     dumped = dump_tensor(obj)
     if dumped is None:
         return _reduce_sparse(obj)
     meta, view = dumped
     return load_tensor, (meta, _out_of_band(view))
+
+
+def _reduce_cuda(tensor: torch.Tensor) -> Any:
+    """A CUDA tensor by the route of the message it rides in (see serde.cuda)."""
+    dumped = dump_cuda_tensor(tensor, *cuda.destination())
+    if dumped is None:
+        return _reduce_sparse(tensor)
+    meta, path, value = dumped
+    if path == "ipc":
+        return load_ipc_tensor, (meta, value)
+    return load_tensor, (meta, _out_of_band(byte_view(value, value.numel())))
 
 
 def _reduce_sparse(tensor: torch.Tensor) -> Any:

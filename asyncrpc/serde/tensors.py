@@ -27,6 +27,8 @@ from typing import Any
 import torch
 
 from asyncrpc.errors import SerializationError
+from asyncrpc.serde import cuda
+from asyncrpc.serde.devices import CudaRoute
 
 TensorMeta = tuple[str, tuple[int, ...], tuple[int, ...], bool, str, bool]
 """(dtype name, shape, strides, requires_grad, device, is_parameter)"""
@@ -70,18 +72,9 @@ def dump_tensor(tensor: torch.Tensor) -> tuple[TensorMeta, memoryview] | None:
     have gone cold between messages, and a small tensor's dump is made of little else.
     """
     device = tensor.device
-    if (
-        device.type not in ("cpu", "cuda")
-        or tensor.layout is not torch.strided
-        or tensor.is_quantized
-    ):
+    if device.type != "cpu" or tensor.layout is not torch.strided or tensor.is_quantized:
         return None
-    data = tensor
-    if data.is_conj() or data.is_neg():  # lazy bits are not in the bytes
-        data = data.detach().resolve_conj().resolve_neg()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # whichever stream produced it has finished
-        data = data.detach().cpu()
+    data = _resolved(tensor)
     shape, stride = tuple(data.shape), data.stride()
     span = _span(shape, stride)
     dtype = data.dtype
@@ -90,16 +83,46 @@ def dump_tensor(tensor: torch.Tensor) -> tuple[TensorMeta, memoryview] | None:
         data = data.detach().contiguous()
         stride = data.stride()
         span = numel
-    meta: TensorMeta = (
+    return _meta(tensor, data, stride, "cpu"), byte_view(data, span * dtype.itemsize)
+
+
+def _resolved(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a copy with its lazy conjugate and negative bits applied (they are
+    not in its bytes)."""
+    if tensor.is_conj() or tensor.is_neg():
+        return tensor.detach().resolve_conj().resolve_neg()
+    return tensor
+
+
+def _meta(tensor: torch.Tensor, data: torch.Tensor, stride: Any, device: str) -> TensorMeta:
+    dtype = data.dtype
+    return (
         _DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch."),
-        shape,
-        stride,
+        tuple(data.shape),
+        tuple(stride),
         tensor.requires_grad,
-        "cpu" if device.type == "cpu" else str(device),
+        device,
         # (a plain tensor is no Parameter: spare it Parameter's Python __instancecheck__)
         type(tensor) is not torch.Tensor and isinstance(tensor, torch.nn.Parameter),
     )
-    return meta, byte_view(data, span * dtype.itemsize)
+
+
+def dump_cuda_tensor(
+    tensor: torch.Tensor, route: CudaRoute | None, staged: list[Any] | None
+) -> tuple[TensorMeta, str, Any] | None:
+    """A CUDA tensor as (meta, path, what travels): ``"ipc"`` and torch's IPC handle, or
+    ``"bytes"`` and a pinned host copy (being made: see :mod:`asyncrpc.serde.cuda`);
+    None for a layout we do not serialise ourselves.  ``route`` (None: the value stays
+    in this process) says which device it lands on; SerializationError if none."""
+    if tensor.layout is not torch.strided or tensor.is_quantized:
+        return None
+    source = str(tensor.device)
+    target = route.target(source) if route is not None else source
+    data = _resolved(tensor).detach()
+    if not data.is_contiguous():
+        data = data.contiguous()
+    path, value = cuda.dump_cuda(data, route, staged)
+    return _meta(tensor, data, data.stride(), target), path, value
 
 
 def load_tensor(meta: TensorMeta, buffer: Any) -> torch.Tensor:
@@ -109,12 +132,12 @@ def load_tensor(meta: TensorMeta, buffer: Any) -> torch.Tensor:
     if dtype is None:
         raise SerializationError(f"unknown tensor dtype {dtype_name!r}")
     raw = _as_uint8(buffer)
+    if device != "cpu" and raw.device.type == "cpu":
+        raw = cuda.upload(raw, device) if raw.numel() else raw.to(cuda.device_of(device))
     if 0 in shape:  # no elements: nothing was sent
-        tensor = torch.empty_strided(shape, stride, dtype=dtype)
+        tensor = torch.empty_strided(shape, stride, dtype=dtype, device=raw.device)
     else:
         tensor = raw.view(dtype).as_strided(shape, stride)
-    if device != "cpu":
-        tensor = _to_device(tensor, device)
     if is_parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     return tensor.requires_grad_(requires_grad) if requires_grad else tensor
@@ -128,19 +151,9 @@ def _as_uint8(buffer: Any) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
-def _to_device(tensor: torch.Tensor, device: str) -> torch.Tensor:
-    if device == "cpu":
-        return tensor
-    target = torch.device(device)
-    if (
-        target.type == "cuda"
-        and torch.cuda.is_available()
-        and ((target.index or 0) < torch.cuda.device_count())
-    ):
-        return tensor.to(target, non_blocking=False)
-    raise SerializationError(
-        f"received a tensor on device {device!r}, which this worker does not have"
-    )
+def load_ipc_tensor(meta: TensorMeta, shared: cuda.Shared) -> torch.Tensor:
+    """Rebuild a tensor a peer shared by CUDA IPC (copied to its own memory here)."""
+    return load_tensor(meta, cuda.load_shared(shared, meta[4]))
 
 
 def allocate_tensor_storage(nbytes: int) -> tuple[torch.Tensor, memoryview]:

@@ -90,6 +90,8 @@ def init_rpc(
                 init_method=options.init_method,
                 rpc_timeout=options.rpc_timeout,
                 num_worker_threads=threads,
+                device_maps=getattr(options, "device_maps", None),
+                devices=getattr(options, "devices", None),
             )
         )
     except BaseException:
@@ -159,8 +161,6 @@ def _check_arguments(backend: Any, options: Any) -> None:
             "Argument rpc_backend_options must be an instance of RpcBackendOptions, not "
             f"{type(options).__name__}"
         )
-    if getattr(options, "device_maps", None):
-        raise ValueError("asyncrpc has no device maps: leave device_maps empty")
 
 
 def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:

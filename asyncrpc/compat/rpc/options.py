@@ -2,9 +2,8 @@
 
 asyncrpc has one backend; ``TensorPipeRpcBackendOptions`` is accepted so that torch
 programs run unchanged.  ``init_method``, ``rpc_timeout`` and ``num_worker_threads``
-are used; TensorPipe's ``device_maps``, ``devices`` and ``_transports`` /
-``_channels`` are accepted, and a non-empty device map is refused at ``init_rpc``
-(asyncrpc has no device maps).
+and TensorPipe's ``device_maps`` and ``devices`` are used, with torch's meaning
+(docs/cuda.md); ``_transports`` / ``_channels`` are accepted and ignored.
 """
 
 from __future__ import annotations
@@ -66,9 +65,10 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         self._channels = _channels
 
     def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:
-        """Recorded for compatibility; ``init_rpc`` refuses device maps."""
+        """Where this worker's CUDA tensors land on worker ``to`` (merged into its map;
+        checked at ``init_rpc``, as in torch)."""
         self.device_maps.setdefault(to, {}).update(device_map)
 
     def set_devices(self, devices: list[Any]) -> None:
-        """Recorded for compatibility."""
+        """The CUDA devices this worker uses (default: those the device maps name)."""
         self.devices = list(devices)

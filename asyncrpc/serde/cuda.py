@@ -1,0 +1,285 @@
+"""CUDA tensors on the wire: stream-ordered copies, and CUDA IPC between processes of a host.
+
+Theory of operation
+-------------------
+Nothing here synchronises a device, and the event loop never waits for a GPU.
+
+*Sending.*  A CUDA tensor leaves in one of two ways, chosen by its message's
+:class:`~asyncrpc.serde.devices.CudaRoute`:
+
+* **CUDA IPC** (the peer shares this host's memory and sees the tensor's GPU):
+  the payload carries torch's IPC handle of the tensor's storage
+  (``UntypedStorage._share_cuda_``).  torch records an event on the current
+  stream with it, and keeps the memory alive, reference-counted in shared
+  memory, until the receiver lets it go (torch's own bookkeeping, the one
+  ``torch.multiprocessing`` uses; :func:`torch.cuda.ipc_collect` frees what
+  receivers released, and runs here at most once a second).  No byte goes
+  through the host.
+* **Host staging**: a side stream waits for the current stream (the one that
+  produced the tensor) and copies the bytes into pinned host memory from torch's
+  caching host allocator (a pool); the tensor is marked as used by that stream,
+  so the allocator cannot reuse it before the copy ran.  The copy's event goes
+  to the message's ``staged`` list: the agent writes the message once the event
+  has fired, waiting off the loop (see ``Outgoing.wait_staged``).  Without a
+  list (a value serialised outside a message) the copy is waited for at once.
+
+*Receiving.*  A staged tensor's bytes arrive in host memory; a receive stream
+copies them to the target device into memory allocated for that stream, and the
+current stream waits for the copy (an event wait on the GPU, not on the host).
+An IPC tensor is opened with the sender's event waited for on an IPC stream, and
+copied on that stream into memory of its own on the target device (the receiver
+never keeps a peer's memory: the peer may die, and the device map may name another
+GPU); the current stream waits for the copy, and the peer's memory is let go by a
+releaser thread once the copy is done (torch's release synchronises the stream
+current in the releasing thread, which must not be the loop's).  Code that runs
+on the received tensors on the current stream is ordered after the data, with no
+device-wide synchronisation; code on another stream orders itself, as in torch.
+
+Sends, receives and IPC copies use separate streams (one of each per device): a
+copy from pageable host memory waits for its stream's earlier work, which must
+not include a peer's kernel.  :func:`stats` counts tensors and bytes by path,
+for ``get_debug_info()["cuda"]``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from asyncrpc.errors import SerializationError
+from asyncrpc.serde.devices import CudaRoute
+
+Shared = tuple[Any, ...]  # what load_shared needs: the GPU, torch's IPC tuple, the span
+
+_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
+_counts: Counter[str] = Counter()
+_gpus: dict[int, str] | None = None
+_lock = threading.Lock()
+_last_collect = 0.0
+_COLLECT_EVERY = 1.0  # seconds between torch.cuda.ipc_collect() calls, at most
+
+
+Destination = tuple[CudaRoute | None, list[Any] | None]
+
+
+def _nowhere() -> Destination:
+    return None, None
+
+
+destination: Callable[[], Destination] = _nowhere
+"""The route and the staged-copy list of the message being serialised in this thread
+(set by the layer that sends messages: see :func:`set_destination`)."""
+
+
+def set_destination(find: Callable[[], Destination]) -> None:
+    """Tell serde how to find the current message's route and staged list."""
+    global destination
+    destination = find
+
+
+def stats() -> dict[str, int]:
+    """Tensors and bytes sent and received, by path, since the process started."""
+    return dict(sorted(_counts.items()))
+
+
+def device_count() -> int:
+    """CUDA devices this process sees (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpu_uuids() -> dict[int, str]:
+    """Each visible CUDA device's GPU UUID (initialises CUDA)."""
+    global _gpus
+    if _gpus is None:
+        _gpus = {
+            i: str(torch.cuda.get_device_properties(i).uuid)
+            for i in range(torch.cuda.device_count())
+        }
+    return _gpus
+
+
+def _stream(index: int, role: str) -> torch.cuda.Stream:
+    """This process's ``role`` stream ("send", "receive" or "ipc") of device ``index``."""
+    key = (index, role)
+    found = _streams.get(key)
+    if found is None:
+        with _lock:
+            found = _streams.setdefault(key, torch.cuda.Stream(index))  # type: ignore[no-untyped-call]
+    return found
+
+
+def _bytes_of(data: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat uint8 tensor (no copy)."""
+    return data.reshape(-1).view(torch.uint8)
+
+
+def dump_cuda(
+    data: torch.Tensor, route: CudaRoute | None, staged: list[Any] | None
+) -> tuple[str, Any]:
+    """A contiguous CUDA tensor ``data`` leaving by ``route``: ``("ipc", shared)`` or
+    ``("bytes", pinned uint8 tensor)``."""
+    device = str(data.device)
+    nbytes = data.numel() * data.element_size()
+    if route is not None and device in route.ipc and nbytes:
+        shared = _share(data, nbytes)
+        if shared is not None:
+            _count("sent_ipc", nbytes)
+            return "ipc", shared
+    _count("sent_staged", nbytes)
+    return "bytes", _stage(data, nbytes, staged)
+
+
+def _count(path: str, nbytes: int) -> None:
+    _counts[f"{path}_tensors"] += 1
+    _counts[f"{path}_bytes"] += nbytes
+
+
+def _stage(data: torch.Tensor, nbytes: int, staged: list[Any] | None) -> torch.Tensor:
+    """Copy ``data`` to pinned host memory on the send stream, after the current stream."""
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    if not nbytes:
+        return pinned
+    index = data.device.index or 0
+    side = _stream(index, "send")
+    side.wait_stream(torch.cuda.current_stream(index))
+    with torch.cuda.stream(side):
+        pinned.copy_(_bytes_of(data), non_blocking=True)
+        done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        done.record(side)
+    data.record_stream(side)
+    if staged is None:
+        done.synchronize()
+    else:
+        staged.append(done)
+    return pinned
+
+
+def _share(data: torch.Tensor, nbytes: int) -> Shared | None:
+    """torch's IPC handle of ``data``'s storage (an event recorded on the current
+    stream), with where ``data`` lies in it; None where the memory cannot be shared
+    (not from torch's caching allocator, say)."""
+    try:
+        shared = data.untyped_storage()._share_cuda_()  # type: ignore[no-untyped-call]
+    except RuntimeError:
+        return None
+    _collect_released()
+    uuid = gpu_uuids()[data.device.index or 0]
+    return (uuid, *shared[1:], data.storage_offset() * data.element_size(), nbytes)
+
+
+def _collect_released() -> None:
+    """Free what receivers released (torch keeps sent memory until it is collected)."""
+    global _last_collect
+    now = time.monotonic()
+    if now - _last_collect >= _COLLECT_EVERY:
+        _last_collect = now
+        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+
+
+def synchronize(events: Sequence[Any]) -> None:
+    """Wait (blocking this thread, not spinning) until every event has fired."""
+    for event in events:
+        event.synchronize()
+
+
+def all_done(events: Sequence[Any]) -> bool:
+    """Whether every event has fired (never waits)."""
+    return all(event.query() for event in events)
+
+
+def device_of(name: str) -> torch.device:
+    """The local CUDA device ``name``; SerializationError if this worker lacks it."""
+    device = torch.device(name)
+    if torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count():
+        return device
+    raise SerializationError(f"received a tensor for device {name!r}, which this worker lacks")
+
+
+def upload(raw: torch.Tensor, name: str) -> torch.Tensor:
+    """Host bytes ``raw`` copied to device ``name`` on the receive stream; the current
+    stream waits for the copy."""
+    device = device_of(name)
+    side = _stream(device.index or 0, "receive")
+    with torch.cuda.stream(side):
+        dest = torch.empty(raw.numel(), dtype=torch.uint8, device=device)
+        dest.copy_(raw, non_blocking=True)
+    _hand_over(dest, side, device)
+    _count("received_staged", raw.numel())
+    return dest
+
+
+def _hand_over(dest: torch.Tensor, side: torch.cuda.Stream, device: torch.device) -> None:
+    """Order the current stream after ``side``'s copy into ``dest``, which is then the
+    current stream's to use and free."""
+    current = torch.cuda.current_stream(device)
+    current.wait_stream(side)
+    dest.record_stream(current)
+
+
+def load_shared(shared: Shared, name: str) -> torch.Tensor:
+    """The bytes a peer shared by CUDA IPC, copied to device ``name`` (uint8)."""
+    uuid, *handle, start, nbytes = shared
+    source = _local_index(str(uuid))
+    device = device_of(name)
+    src_stream = _stream(source, "ipc")
+    dst_stream = _stream(device.index or 0, "ipc")
+    try:
+        with torch.cuda.stream(src_stream), torch.cuda.stream(dst_stream):
+            storage = torch.UntypedStorage._new_shared_cuda(source, *handle)
+            mapped = torch.empty(0, dtype=torch.uint8, device=f"cuda:{source}")
+            mapped.set_(storage, start, (nbytes,), (1,))
+            dest = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            dest.copy_(mapped, non_blocking=True)
+            done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+            done.record(dst_stream)
+    except RuntimeError as exc:
+        raise SerializationError(f"cannot open a CUDA tensor shared by CUDA IPC: {exc}") from exc
+    _hand_over(dest, dst_stream, device)
+    held = [storage, mapped]  # the releaser empties it: the last reference dies there
+    del storage, mapped
+    _releaser().put((done, held, src_stream))
+    _count("received_ipc", nbytes)
+    return dest
+
+
+def _local_index(uuid: str) -> int:
+    for index, found in gpu_uuids().items():
+        if found == uuid:
+            return index
+    raise SerializationError(
+        f"received a CUDA tensor shared by CUDA IPC from GPU {uuid}, which this worker "
+        "does not see (CUDA_VISIBLE_DEVICES?)"
+    )
+
+
+Release = tuple[Any, list[Any], torch.cuda.Stream]  # (copy done, what to let go, stream)
+_release_queue: queue.SimpleQueue[Release] | None = None
+
+
+def _releaser() -> queue.SimpleQueue[Release]:
+    """The queue of a daemon thread that lets peers' memory go once copied."""
+    global _release_queue
+    with _lock:
+        if _release_queue is None:
+            _release_queue = queue.SimpleQueue()
+            threading.Thread(
+                target=_release_forever,
+                args=(_release_queue,),
+                name="asyncrpc-cuda-release",
+                daemon=True,
+            ).start()
+    return _release_queue
+
+
+def _release_forever(jobs: queue.SimpleQueue[Release]) -> None:
+    while True:
+        done, held, stream = jobs.get()
+        done.synchronize()
+        with torch.cuda.stream(stream):  # torch's release synchronises the current stream
+            held.clear()

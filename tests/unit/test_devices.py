@@ -1,0 +1,142 @@
+"""Device maps and CUDA routes: pure logic over device names (no CUDA needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncrpc.errors import SerializationError
+from asyncrpc.serde.devices import (
+    WorkerDevices,
+    device_name,
+    devices_used,
+    normalize_devices,
+    normalize_map,
+    normalize_maps,
+    route,
+    validate,
+)
+
+
+def test_devices_are_named_as_torch_names_them() -> None:
+    assert device_name(1) == "cuda:1"
+    assert device_name("cuda:02") == "cuda:2"
+    assert device_name(torch.device("cuda", 3)) == "cuda:3"
+    assert device_name("cpu") == "cpu"
+    for bad in ("cuda", "gpu:0", -1, True, "cuda:x"):
+        with pytest.raises(ValueError, match="device"):
+            device_name(bad)
+
+
+def test_a_map_is_one_to_one_and_names_cuda_devices_only() -> None:
+    assert normalize_map({0: 1, "cuda:1": torch.device("cuda:0")}) == {
+        "cuda:0": "cuda:1",
+        "cuda:1": "cuda:0",
+    }
+    with pytest.raises(ValueError, match=r"maps both cuda:0 and cuda:1 to cuda:2.*one-to-one"):
+        normalize_map({0: 2, 1: 2})
+    with pytest.raises(ValueError, match="CUDA devices"):
+        normalize_map({"cpu": "cuda:0"})
+    assert normalize_maps(None) == {}
+
+
+def test_devices_list_cuda_devices_once_in_index_order() -> None:
+    assert normalize_devices([2, "cuda:0"]) == ("cuda:0", "cuda:2")
+    with pytest.raises(ValueError, match="CUDA devices only"):
+        normalize_devices(["cpu"])
+    with pytest.raises(ValueError, match="twice"):
+        normalize_devices([0, "cuda:0"])
+
+
+def _job(**maps: dict[str, dict[str, str]]) -> dict[str, WorkerDevices]:
+    return {
+        "w0": WorkerDevices("w0", 2, maps=maps.get("w0", {})),
+        "w1": WorkerDevices("w1", 2, maps=maps.get("w1", {})),
+        "cpu": WorkerDevices("cpu", 0),
+    }
+
+
+def test_valid_maps_pass() -> None:
+    validate(_job(w0={"w1": {"cuda:0": "cuda:1", "cuda:1": "cuda:0"}}))
+
+
+@pytest.mark.parametrize(
+    ("job", "words"),
+    [
+        (_job(w0={"w9": {"cuda:0": "cuda:0"}}), "device map for 'w9', which is not a worker"),
+        (_job(w0={"w1": {"cuda:2": "cuda:0"}}), "source devices .* but worker 'w0' has 2 CUDA"),
+        (_job(w0={"w1": {"cuda:0": "cuda:5"}}), "target devices .* but worker 'w1' has 2 CUDA"),
+        (_job(w0={"cpu": {"cuda:0": "cuda:0"}}), "but worker 'cpu' has no CUDA device"),
+        (_job(w1={"w0": {"cuda:0": "cuda:1", "cuda:1": "cuda:1"}}), "maps two devices onto one"),
+        (
+            {
+                "w0": WorkerDevices("w0", 2, ("cuda:0",), {"w1": {"cuda:1": "cuda:0"}}),
+                "w1": WorkerDevices("w1", 2),
+            },
+            "that worker 'w0' does not use: \\['cuda:1'\\]",
+        ),
+        ({"w0": WorkerDevices("w0", 1, ("cuda:3",))}, "devices \\['cuda:3'\\], but .* 1 CUDA"),
+    ],
+)
+def test_a_bad_map_is_refused_naming_the_worker_and_the_fault(
+    job: dict[str, WorkerDevices], words: str
+) -> None:
+    with pytest.raises(ValueError, match=words):
+        validate(job)
+
+
+def test_a_worker_uses_its_devices_or_else_those_the_maps_name() -> None:
+    job = _job(w0={"w1": {"cuda:0": "cuda:1"}})
+    assert devices_used("w0", job) == ("cuda:0",)
+    assert devices_used("w1", job) == ("cuda:1",)  # only others' maps name it
+    assert devices_used("cpu", job) == ()
+    job["w1"] = WorkerDevices("w1", 2, ("cuda:0", "cuda:1"))
+    assert devices_used("w1", job) == ("cuda:0", "cuda:1")
+
+
+def test_requests_follow_the_callers_map_and_replies_its_inverse() -> None:
+    job = _job(w0={"w1": {"cuda:0": "cuda:1"}})
+    assert route(job["w0"], job["w1"], reply=False, same_host=False).target("cuda:0") == "cuda:1"
+    back = route(job["w1"], job["w0"], reply=True, same_host=False)
+    assert back.target("cuda:1") == "cuda:0"
+    # A request back (a gradient for the tensor that came) finds the inverse too...
+    assert route(job["w1"], job["w0"], reply=False, same_host=False).target("cuda:1") == "cuda:0"
+    # ...unless the callee's own map names the device: for requests, its own map rules.
+    job["w1"] = WorkerDevices("w1", 2, maps={"w0": {"cuda:1": "cuda:1"}})
+    assert route(job["w1"], job["w0"], reply=False, same_host=False).target("cuda:1") == "cuda:1"
+    assert route(job["w1"], job["w0"], reply=True, same_host=False).target("cuda:1") == "cuda:0"
+
+
+def test_an_unmapped_cuda_tensor_is_refused_naming_peer_call_and_fix() -> None:
+    job = _job(w0={"w1": {"cuda:0": "cuda:1"}})
+    way = route(job["w0"], job["w1"], reply=False, same_host=False).named("call to f")
+    with pytest.raises(SerializationError) as caught:
+        way.target("cuda:1")
+    text = str(caught.value)
+    assert "cuda:1" in text and "call to f" in text and "'w1'" in text
+    assert "device_maps={'w1'" in text and "on worker 'w0'" in text
+    assert caught.value.details["worker"] == "w1"
+
+
+def test_a_call_to_oneself_keeps_every_device_and_never_uses_ipc() -> None:
+    me = WorkerDevices("w0", 2, gpus={"cuda:0": "GPU-a"})
+    way = route(me, me, reply=False, same_host=True)
+    assert way.target("cuda:1") == "cuda:1" and not way.ipc
+
+
+def test_ipc_needs_the_same_host_and_a_gpu_the_peer_sees() -> None:
+    w0 = WorkerDevices(
+        "w0",
+        2,
+        maps={"w1": {"cuda:0": "cuda:0", "cuda:1": "cuda:1"}},
+        gpus={"cuda:0": "GPU-a", "cuda:1": "GPU-b"},
+    )
+    w1 = WorkerDevices("w1", 1, gpus={"cuda:0": "GPU-b"})  # sees only the second GPU
+    assert route(w0, w1, reply=False, same_host=True).ipc == {"cuda:1"}
+    assert route(w0, w1, reply=False, same_host=False).ipc == frozenset()
+
+
+def test_published_devices_round_trip_and_anything_else_means_none() -> None:
+    w = WorkerDevices("w0", 2, ("cuda:1",), {"w1": {"cuda:1": "cuda:0"}})
+    assert WorkerDevices.from_dict("w0", w.to_dict()) == w
+    assert WorkerDevices.from_dict("old", None) == WorkerDevices("old", 0)
