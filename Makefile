@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: install test test-pure compat demo bench soak mutate lint typecheck clean
+.PHONY: install test test-pure test-gpu compat demo bench soak mutate lint typecheck clean
 
 # The editable install compiles asyncrpc/_compiled.py's COMPILED_MODULES with mypyc
 # (setup.py; docs/compiled.md), or warns and stays pure Python without a C compiler.
@@ -42,6 +42,10 @@ test-pure: install
 compat: install
 	ASYNCRPC_COMPAT_FULL=1 $(PY) -m pytest -q tests/compat
 
+# The CUDA tests (docs/cuda.md); they skip without a GPU.
+test-gpu: install
+	$(PY) -m pytest -m gpu -v tests/integration/test_gpu.py
+
 demo: install
 	$(PY) examples/parameter_server.py
 
@@ -50,6 +54,7 @@ demo: install
 BENCH_ARGS ?=
 bench: install
 	$(PY) benchmarks/bench_rpc.py $(BENCH_ARGS)
+	$(PY) benchmarks/bench_cuda.py
 
 # Three workers under mixed traffic; fails on a lost call, an unexpected error or a crash.
 # SOAK_ARGS="--duration 600 --json soak.json" for the long run.
