@@ -171,8 +171,9 @@ async def _cuda_devices(
     validate(found)
     if not any(w.maps for w in found.values()):
         return found
-    me = records[rank]["name"]
-    uuids = cuda.gpu_uuids() if devices_used(me, found) else {}
+    used = devices_used(records[rank]["name"], found)
+    uuids = cuda.gpu_uuids() if used else {}
+    cuda.prepare(used)
     mine = {f"cuda:{index}": uuid for index, uuid in uuids.items()}
     what = ("published their GPUs", "the workers' GPUs")
     gpus = await _rendezvous(gather, store, "gpus", rank, len(records), mine, what)

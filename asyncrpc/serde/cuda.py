@@ -27,11 +27,14 @@ Nothing here synchronises a device, and the event loop never waits for a GPU.
 copies them to the target device into memory allocated for that stream, and the
 current stream waits for the copy (an event wait on the GPU, not on the host).
 An IPC tensor is opened with the sender's event waited for on an IPC stream, and
-copied on that stream into memory of its own on the target device (the receiver
-never keeps a peer's memory: the peer may die, and the device map may name another
-GPU); the current stream waits for the copy, and the peer's memory is let go by a
-releaser thread once the copy is done (torch's release synchronises the stream
-current in the releasing thread, which must not be the loop's).  Code that runs
+copied on that stream into memory of its own on the target device (a received
+tensor never lives in a peer's memory: the peer may die, and the device map may
+name another GPU); the current stream waits for the copy, and the peer's memory is
+let go by a releaser thread once the copy is done (torch's release synchronises the
+stream current in the releasing thread, which must not be the loop's).  The
+releaser keeps the latest small storage of each peer segment open for a moment
+(:class:`KeptMappings`), so that the next tensor from that segment is opened
+without mapping it again.  Code that runs
 on the received tensors on the current stream is ordered after the data, with no
 device-wide synchronisation; code on another stream orders itself, as in torch.
 
@@ -47,7 +50,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -102,6 +105,19 @@ def gpu_uuids() -> dict[int, str]:
             for i in range(torch.cuda.device_count())
         }
     return _gpus
+
+
+_ROLES = ("send", "receive", "ipc")
+
+
+def prepare(devices: Sequence[str]) -> None:
+    """Make what the first CUDA tensors to and from ``devices`` would otherwise make on
+    their way (side streams, the releaser thread), so that a first call is not slower."""
+    for name in devices:
+        for role in _ROLES:
+            _stream(torch.device(name).index or 0, role)
+    if devices:
+        _releaser()
 
 
 def _stream(index: int, role: str) -> torch.cuda.Stream:
@@ -243,7 +259,8 @@ def load_shared(shared: Shared, name: str) -> torch.Tensor:
     _hand_over(dest, dst_stream, device)
     held = [storage, mapped]  # the releaser empties it: the last reference dies there
     del storage, mapped
-    _releaser().put((done, held, src_stream))
+    segment = (uuid, handle[0])
+    _releaser().put((done, held, src_stream, segment, int(handle[1])))
     _count("received_ipc", nbytes)
     return dest
 
@@ -258,7 +275,47 @@ def _local_index(uuid: str) -> int:
     )
 
 
-Release = tuple[Any, list[Any], torch.cuda.Stream]  # (copy done, what to let go, stream)
+class KeptMappings:
+    """The peers' storages kept open after their copy, newest per peer memory segment.
+
+    Opening a peer's segment (``cudaIpcOpenMemHandle``) and closing it again cost far
+    more than copying a few megabytes, and torch keeps a segment open while any storage
+    of it is alive here.  So the latest small storage (``keep_below`` bytes at most)
+    of each segment is kept, until a newer one of the same segment replaces it, it is
+    ``keep_for`` seconds old, or ``max_kept`` are kept.  A kept storage holds that
+    much of the peer's memory (torch frees it once let go): at most ``max_kept *
+    keep_below`` bytes.  Pure bookkeeping: :meth:`keep` and :meth:`expired` return
+    what to let go.
+    """
+
+    def __init__(self, max_kept: int = 16, keep_below: int = 16 << 20, keep_for: float = 2.0):
+        self.max_kept = max_kept
+        self.keep_below = keep_below
+        self.keep_for = keep_for
+        self._kept: dict[Hashable, tuple[float, Any]] = {}  # oldest first
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def keep(self, key: Hashable | None, item: Any, nbytes: int, now: float) -> list[Any]:
+        """``item`` (a storage of ``nbytes`` in segment ``key``) was copied: what to let
+        go now (``item`` itself, if it is not kept)."""
+        if key is None or nbytes > self.keep_below:
+            return [item]
+        gone = [old for _, old in [self._kept.pop(key, (0.0, None))] if old is not None]
+        self._kept[key] = (now, item)
+        while len(self._kept) > self.max_kept:
+            gone.append(self._kept.pop(next(iter(self._kept)))[1])
+        return gone + self.expired(now)
+
+    def expired(self, now: float) -> list[Any]:
+        """What has been kept ``keep_for`` seconds or more."""
+        stale = [key for key, (since, _) in self._kept.items() if now - since >= self.keep_for]
+        return [self._kept.pop(key)[1] for key in stale]
+
+
+# (copy done, what to let go, the stream to release it on, its segment, its size)
+Release = tuple[Any, list[Any], torch.cuda.Stream, Hashable | None, int]
 _release_queue: queue.SimpleQueue[Release] | None = None
 
 
@@ -270,16 +327,22 @@ def _releaser() -> queue.SimpleQueue[Release]:
             _release_queue = queue.SimpleQueue()
             threading.Thread(
                 target=_release_forever,
-                args=(_release_queue,),
+                args=(_release_queue, KeptMappings()),
                 name="asyncrpc-cuda-release",
                 daemon=True,
             ).start()
     return _release_queue
 
 
-def _release_forever(jobs: queue.SimpleQueue[Release]) -> None:
+def _release_forever(jobs: queue.SimpleQueue[Release], kept: KeptMappings) -> None:
     while True:
-        done, held, stream = jobs.get()
-        done.synchronize()
-        with torch.cuda.stream(stream):  # torch's release synchronises the current stream
-            held.clear()
+        try:
+            done, held, stream, segment, nbytes = jobs.get(timeout=kept.keep_for)
+        except queue.Empty:
+            gone = kept.expired(time.monotonic())
+        else:
+            done.synchronize()
+            gone = kept.keep(segment, (held, stream), nbytes, time.monotonic())
+        for let_go, on_stream in gone:
+            with torch.cuda.stream(on_stream):  # torch's release synchronises this stream
+                let_go.clear()

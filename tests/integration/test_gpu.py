@@ -67,4 +67,4 @@ def test_bad_device_maps_and_unmapped_tensors_are_refused_with_clear_errors() ->
         assert f"but worker 'w1' has {count} CUDA device" in worker["init"]
     message = seen[0]["unmapped"]
     assert "cuda:0" in message and "'w1'" in message and "device_maps" in message, message
-    assert "call to echo" in message, message
+    assert "call to tests.scenarios.echo" in message, message
