@@ -87,8 +87,9 @@ def set_destination(find: Callable[[], Destination]) -> None:
 
 
 def stats() -> dict[str, int]:
-    """Tensors and bytes sent and received, by path, since the process started."""
-    return dict(sorted(_counts.items()))
+    """Tensors and bytes sent and received, by path, since the process started, and the
+    bytes of peers' memory kept open (see :class:`KeptMappings`)."""
+    return {**dict(sorted(_counts.items())), "ipc_kept_bytes": _kept.kept_bytes}
 
 
 def device_count() -> int:
@@ -278,21 +279,23 @@ def _local_index(uuid: str) -> int:
 class KeptMappings:
     """The peers' storages kept open after their copy, newest per peer memory segment.
 
-    Opening a peer's segment (``cudaIpcOpenMemHandle``) and closing it again cost far
-    more than copying a few megabytes, and torch keeps a segment open while any storage
-    of it is alive here.  So the latest small storage (``keep_below`` bytes at most)
+    Opening a peer's segment (``cudaIpcOpenMemHandle``) and closing it again cost
+    about a millisecond, far more than copying tens of megabytes on the GPU, and torch
+    keeps a segment open while any storage of it is alive here.  So the latest storage
     of each segment is kept, until a newer one of the same segment replaces it, it is
-    ``keep_for`` seconds old, or ``max_kept`` are kept.  A kept storage holds that
-    much of the peer's memory (torch frees it once let go): at most ``max_kept *
-    keep_below`` bytes.  Pure bookkeeping: :meth:`keep` and :meth:`expired` return
-    what to let go.
+    ``keep_for`` seconds old, or room is needed: at most ``max_kept`` storages and
+    ``max_bytes`` bytes (a larger storage is let go at once).  A kept storage holds
+    that much of the peer's memory (torch frees it once let go), so ``max_bytes``
+    bounds what one worker holds of its peers'.  Pure bookkeeping: :meth:`keep` and
+    :meth:`expired` return what to let go.
     """
 
-    def __init__(self, max_kept: int = 16, keep_below: int = 16 << 20, keep_for: float = 2.0):
+    def __init__(self, max_kept: int = 16, max_bytes: int = 256 << 20, keep_for: float = 2.0):
         self.max_kept = max_kept
-        self.keep_below = keep_below
+        self.max_bytes = max_bytes
         self.keep_for = keep_for
-        self._kept: dict[Hashable, tuple[float, Any]] = {}  # oldest first
+        self.kept_bytes = 0
+        self._kept: dict[Hashable, tuple[float, int, Any]] = {}  # oldest first
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -300,19 +303,27 @@ class KeptMappings:
     def keep(self, key: Hashable | None, item: Any, nbytes: int, now: float) -> list[Any]:
         """``item`` (a storage of ``nbytes`` in segment ``key``) was copied: what to let
         go now (``item`` itself, if it is not kept)."""
-        if key is None or nbytes > self.keep_below:
+        if key is None or nbytes > self.max_bytes:
             return [item]
-        gone = [old for _, old in [self._kept.pop(key, (0.0, None))] if old is not None]
-        self._kept[key] = (now, item)
-        while len(self._kept) > self.max_kept:
-            gone.append(self._kept.pop(next(iter(self._kept)))[1])
+        gone = [self._drop(key)] if key in self._kept else []
+        self._kept[key] = (now, nbytes, item)
+        self.kept_bytes += nbytes
+        while len(self._kept) > self.max_kept or self.kept_bytes > self.max_bytes:
+            gone.append(self._drop(next(iter(self._kept))))
         return gone + self.expired(now)
 
     def expired(self, now: float) -> list[Any]:
         """What has been kept ``keep_for`` seconds or more."""
-        stale = [key for key, (since, _) in self._kept.items() if now - since >= self.keep_for]
-        return [self._kept.pop(key)[1] for key in stale]
+        stale = [key for key, (since, _, _) in self._kept.items() if now - since >= self.keep_for]
+        return [self._drop(key) for key in stale]
 
+    def _drop(self, key: Hashable) -> Any:
+        _, nbytes, item = self._kept.pop(key)
+        self.kept_bytes -= nbytes
+        return item
+
+
+_kept = KeptMappings()  # the releaser thread's
 
 # (copy done, what to let go, the stream to release it on, its segment, its size)
 Release = tuple[Any, list[Any], torch.cuda.Stream, Hashable | None, int]
@@ -327,7 +338,7 @@ def _releaser() -> queue.SimpleQueue[Release]:
             _release_queue = queue.SimpleQueue()
             threading.Thread(
                 target=_release_forever,
-                args=(_release_queue, KeptMappings()),
+                args=(_release_queue, _kept),
                 name="asyncrpc-cuda-release",
                 daemon=True,
             ).start()

@@ -143,10 +143,10 @@ def test_published_devices_round_trip_and_anything_else_means_none() -> None:
     assert WorkerDevices.from_dict("old", None) == WorkerDevices("old", 0)
 
 
-def test_the_latest_small_storage_of_each_peer_segment_stays_open_for_a_while() -> None:
-    kept = KeptMappings(max_kept=2, keep_below=100, keep_for=1.0)
+def test_the_latest_storage_of_each_peer_segment_stays_open_for_a_while() -> None:
+    kept = KeptMappings(max_kept=2, max_bytes=100, keep_for=1.0)
     assert kept.keep(None, "unsegmented", 10, 0.0) == ["unsegmented"]
-    assert kept.keep("s1", "big", 101, 0.0) == ["big"]  # more than keep_below: let go
+    assert kept.keep("s1", "big", 101, 0.0) == ["big"]  # more than max_bytes: let go
     assert kept.keep("s1", "a", 10, 0.0) == []
     assert kept.keep("s1", "b", 10, 0.1) == ["a"]  # the newer of a segment replaces it
     assert kept.keep("s2", "c", 10, 0.2) == []
@@ -154,4 +154,5 @@ def test_the_latest_small_storage_of_each_peer_segment_stays_open_for_a_while() 
     assert kept.expired(1.1) == []
     assert kept.expired(1.25) == ["c"]
     assert kept.keep("s4", "e", 10, 1.4) == ["d"]  # (stale ones go with any new one)
-    assert len(kept) == 1
+    assert kept.keep("s5", "f", 95, 1.5) == ["e"]  # at most max_bytes in all
+    assert (len(kept), kept.kept_bytes) == (1, 95)
