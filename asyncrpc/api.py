@@ -64,6 +64,7 @@ async def init_rpc(
     shared_memory_budget: int = DEFAULT_BUDGET,
     shared_memory_idle: int = DEFAULT_MAX_IDLE,
     listen_host: str | None = None,
+    listen_port: int | None = None,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
     busy_poll: float | None = None,
     handshake_timeout: float = 10.0,
@@ -81,7 +82,12 @@ async def init_rpc(
     ``rpc_timeout`` is the default per-call timeout in seconds (0: none).
     ``transports`` lists what to listen on and prefer, in order ("unix" is used
     only between processes of one network namespace; where it fails, the next one,
-    at once and for good: see ``get_debug_info()["links"]``).  ``shared_memory`` enables the
+    at once and for good: see ``get_debug_info()["links"]``).  ``listen_host`` is the
+    address the tcp listener binds and peers dial (default: this host's address on
+    the way to the rendezvous); ``listen_port`` (or the environment variable
+    ``ASYNCRPC_LISTEN_PORT``) fixes its port, for a firewall rule or a Kubernetes
+    NetworkPolicy (0, the default: any free port; a port in use fails ``init_rpc``,
+    naming it).  ``shared_memory`` enables the
     same-host path for large tensors; ``shared_memory_budget`` bounds the bytes of
     segments this worker holds (lent plus idle; beyond it, buffers go through the
     socket) and ``shared_memory_idle`` the idle ones kept for reuse.  ``busy_poll``
@@ -135,6 +141,7 @@ async def init_rpc(
         shared_memory_budget=shared_memory_budget,
         shared_memory_idle=shared_memory_idle,
         listen_host=listen_host,
+        listen_port=_listen_port(listen_port),
         max_frame_size=max_frame_size,
         busy_poll=busy_poll,
         handshake_timeout=handshake_timeout,
@@ -208,6 +215,19 @@ async def _stop_observing(agent: RpcAgent) -> None:
 
 
 _OBSERVABILITY = "observability"  # ObservabilityServer.KEY, without importing aiohttp
+
+
+def _listen_port(given: int | None) -> int:
+    """``listen_port``, else the environment's ``ASYNCRPC_LISTEN_PORT``, else 0 (any)."""
+    if given is None:
+        text = os.environ.get("ASYNCRPC_LISTEN_PORT", "") or "0"
+        try:
+            given = int(text)
+        except ValueError:
+            raise ValueError(f"ASYNCRPC_LISTEN_PORT={text!r} is not a port number") from None
+    if not 0 <= given <= 65535:
+        raise ValueError(f"listen_port={given} is not a port number (0-65535)")
+    return given
 
 
 def _port_from_env() -> int | None:

@@ -170,6 +170,7 @@ class AgentOptions:
     num_worker_threads: int = 16
     transports: tuple[str, ...] = ("unix", "tcp")
     listen_host: str = "127.0.0.1"
+    listen_port: int = 0  # the tcp port to listen on (0: any free one)
     shared_memory: bool = True
     shared_memory_budget: int = DEFAULT_BUDGET
     shared_memory_idle: int = DEFAULT_MAX_IDLE
@@ -279,8 +280,17 @@ class RpcAgent:
         addresses = {}
         unique = f"asyncrpc-{self.identity.pid}-{id(self):x}"
         for scheme in self.options.transports:
-            target = SCHEMES[scheme].listen_target(self.options.listen_host, unique)
-            server, bound = await listen(target, self._inbound_link)
+            target = SCHEMES[scheme].listen_target(
+                self.options.listen_host, unique, self.options.listen_port
+            )
+            try:
+                server, bound = await listen(target, self._inbound_link)
+            except OSError as exc:
+                for started in self._servers:
+                    started.close()
+                raise OSError(
+                    exc.errno, f"worker {self.info.name!r} cannot listen on {target}: {exc}"
+                ) from exc
             self._servers.append(server)
             addresses[scheme] = bound
         self.address = WorkerAddress(self.info.name, self.info.id, self.identity.host, addresses)

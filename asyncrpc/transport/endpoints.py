@@ -30,13 +30,14 @@ Factory = Callable[[], asyncio.BaseProtocol]
 @dataclass(frozen=True, slots=True)
 class Scheme:
     """One transport: ``listen(factory, rest)`` and ``dial(factory, rest)`` take an
-    address without its ``scheme://``; ``listen_target(host, unique)`` is the address a
-    worker listens on, given the job's listen host and a name unique on this host;
+    address without its ``scheme://``; ``listen_target(host, unique, port)`` is the
+    address a worker listens on, given the job's listen host, a name unique on this
+    host and the port asked for (0: any; a scheme without ports ignores it);
     a scheme with a ``scope`` is used only between workers whose hosts share it."""
 
     listen: Callable[[Factory, str], Awaitable[tuple[asyncio.AbstractServer, str]]]
     dial: Callable[[Factory, str], Awaitable[asyncio.BaseProtocol]]
-    listen_target: Callable[[str, str], str]
+    listen_target: Callable[[str, str, int], str]
     scope: Scope | None = None
 
     @property
@@ -99,8 +100,10 @@ async def _dial_unix(factory: Factory, rest: str) -> asyncio.BaseProtocol:
 
 
 SCHEMES: dict[str, Scheme] = {
-    "tcp": Scheme(_listen_tcp, _dial_tcp, lambda host, _: f"tcp://{host}:0"),
-    "unix": Scheme(_listen_unix, _dial_unix, lambda _, unique: f"unix://@{unique}", scope=NETWORK),
+    "tcp": Scheme(_listen_tcp, _dial_tcp, lambda host, _, port: f"tcp://{host}:{port}"),
+    "unix": Scheme(
+        _listen_unix, _dial_unix, lambda _, unique, __: f"unix://@{unique}", scope=NETWORK
+    ),
 }
 
 

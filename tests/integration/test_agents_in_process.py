@@ -579,3 +579,20 @@ async def test_a_unix_dial_nobody_answers_falls_back_to_tcp_at_once_and_for_good
         assert await b.rpc_async("a", operator.add, (1, 1)) == 2
         assert b.debug_info()["links"]["a"]["transport"] == "tcp"
         assert dialed == [nobody]
+
+
+async def test_a_fixed_listen_port_is_used_and_one_in_use_fails_naming_it() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    options = AgentOptions(transports=("unix", "tcp"), listen_port=port)
+    first = RpcAgent("a", 0, SECRET, options)
+    address = await first.start()
+    assert address.addresses["tcp"] == f"tcp://127.0.0.1:{port}"
+    second = RpcAgent("b", 1, SECRET, options)
+    try:
+        with pytest.raises(OSError, match=f"worker 'b' cannot listen on tcp://127.0.0.1:{port}"):
+            await second.start()
+        assert all(not server.is_serving() for server in second._servers)  # unix closed too
+    finally:
+        await first.shutdown(graceful=False)

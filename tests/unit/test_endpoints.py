@@ -123,8 +123,9 @@ def test_a_unix_path_starting_with_at_names_an_abstract_socket() -> None:
 
 def test_what_a_worker_listens_on_and_which_schemes_stay_on_one_host() -> None:
     tcp, unix = SCHEMES["tcp"], SCHEMES["unix"]
-    assert tcp.listen_target("10.0.0.2", "job-w0") == "tcp://10.0.0.2:0"
-    assert unix.listen_target("10.0.0.2", "job-w0") == "unix://@job-w0"
+    assert tcp.listen_target("10.0.0.2", "job-w0", 0) == "tcp://10.0.0.2:0"
+    assert tcp.listen_target("10.0.0.2", "job-w0", 29600) == "tcp://10.0.0.2:29600"
+    assert unix.listen_target("10.0.0.2", "job-w0", 29600) == "unix://@job-w0"
     assert (tcp.host_local, unix.host_local) == (False, True)
 
 
