@@ -40,8 +40,9 @@ device-wide synchronisation; code on another stream orders itself, as in torch.
 
 Sends, receives and IPC copies use separate streams (one of each per device): a
 copy from pageable host memory waits for its stream's earlier work, which must
-not include a peer's kernel.  :func:`stats` counts tensors and bytes by path,
-for ``get_debug_info()["cuda"]``.
+not include a peer's kernel.  A fourth, idle, is current while peers' storages are
+let go (torch synchronises that stream then, holding the GIL).  :func:`stats`
+counts tensors and bytes by path, for ``get_debug_info()["cuda"]``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -108,7 +110,7 @@ def gpu_uuids() -> dict[int, str]:
     return _gpus
 
 
-_ROLES = ("send", "receive", "ipc")
+_ROLES = ("send", "receive", "ipc", "release")
 
 
 def prepare(devices: Sequence[str]) -> None:
@@ -122,7 +124,8 @@ def prepare(devices: Sequence[str]) -> None:
 
 
 def _stream(index: int, role: str) -> torch.cuda.Stream:
-    """This process's ``role`` stream ("send", "receive" or "ipc") of device ``index``."""
+    """This process's ``role`` stream of device ``index``: "send", "receive", "ipc", or
+    "release", which never has work (see :func:`_release_forever`)."""
     key = (index, role)
     found = _streams.get(key)
     if found is None:
@@ -210,12 +213,20 @@ def all_done(events: Sequence[Any]) -> bool:
     return all(event.query() for event in events)
 
 
+_devices: dict[str, torch.device] = {}
+
+
 def device_of(name: str) -> torch.device:
     """The local CUDA device ``name``; SerializationError if this worker lacks it."""
-    device = torch.device(name)
-    if torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count():
-        return device
-    raise SerializationError(f"received a tensor for device {name!r}, which this worker lacks")
+    device = _devices.get(name)
+    if device is None:
+        device = torch.device(name)
+        if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
+            raise SerializationError(
+                f"received a tensor for device {name!r}, which this worker lacks"
+            )
+        _devices[name] = device
+    return device
 
 
 def upload(raw: torch.Tensor, name: str) -> torch.Tensor:
@@ -226,16 +237,17 @@ def upload(raw: torch.Tensor, name: str) -> torch.Tensor:
     with torch.cuda.stream(side):
         dest = torch.empty(raw.numel(), dtype=torch.uint8, device=device)
         dest.copy_(raw, non_blocking=True)
-    _hand_over(dest, side, device)
+        done = side.record_event()
+    _hand_over(dest, done, device)
     _count("received_staged", raw.numel())
     return dest
 
 
-def _hand_over(dest: torch.Tensor, side: torch.cuda.Stream, device: torch.device) -> None:
-    """Order the current stream after ``side``'s copy into ``dest``, which is then the
-    current stream's to use and free."""
+def _hand_over(dest: torch.Tensor, copied: Any, device: torch.device) -> None:
+    """Order the current stream after the copy into ``dest`` (its event ``copied``);
+    ``dest`` is then the current stream's to use and free."""
     current = torch.cuda.current_stream(device)
-    current.wait_stream(side)
+    current.wait_event(copied)
     dest.record_stream(current)
 
 
@@ -247,7 +259,7 @@ def load_shared(shared: Shared, name: str) -> torch.Tensor:
     src_stream = _stream(source, "ipc")
     dst_stream = _stream(device.index or 0, "ipc")
     try:
-        with torch.cuda.stream(src_stream), torch.cuda.stream(dst_stream):
+        with _streams_of(src_stream, dst_stream):
             storage = torch.UntypedStorage._new_shared_cuda(source, *handle)
             mapped = torch.empty(0, dtype=torch.uint8, device=f"cuda:{source}")
             mapped.set_(storage, start, (nbytes,), (1,))
@@ -257,13 +269,22 @@ def load_shared(shared: Shared, name: str) -> torch.Tensor:
             done.record(dst_stream)
     except RuntimeError as exc:
         raise SerializationError(f"cannot open a CUDA tensor shared by CUDA IPC: {exc}") from exc
-    _hand_over(dest, dst_stream, device)
+    _hand_over(dest, done, device)
     held = [storage, mapped]  # the releaser empties it: the last reference dies there
     del storage, mapped
     segment = (uuid, handle[0])
-    _releaser().put((done, held, src_stream, segment, int(handle[1])))
+    _releaser().put((done, held, _stream(source, "release"), segment, int(handle[1])))
     _count("received_ipc", nbytes)
     return dest
+
+
+def _streams_of(source: torch.cuda.Stream, target: torch.cuda.Stream) -> ExitStack:
+    """Both streams current on their devices (one, if they are the same)."""
+    stack = ExitStack()
+    stack.enter_context(torch.cuda.stream(source))
+    if target is not source:
+        stack.enter_context(torch.cuda.stream(target))
+    return stack
 
 
 def _local_index(uuid: str) -> int:
@@ -346,6 +367,9 @@ def _releaser() -> queue.SimpleQueue[Release]:
 
 
 def _release_forever(jobs: queue.SimpleQueue[Release], kept: KeptMappings) -> None:
+    """Let peers' storages go once their copies are done.  torch's release of a storage
+    synchronises the stream current in the releasing thread, with the GIL held: made
+    current here is the idle release stream, never one that may wait on a peer."""
     while True:
         try:
             done, held, stream, segment, nbytes = jobs.get(timeout=kept.keep_for)
@@ -355,5 +379,5 @@ def _release_forever(jobs: queue.SimpleQueue[Release], kept: KeptMappings) -> No
             done.synchronize()
             gone = kept.keep(segment, (held, stream), nbytes, time.monotonic())
         for let_go, on_stream in gone:
-            with torch.cuda.stream(on_stream):  # torch's release synchronises this stream
+            with torch.cuda.stream(on_stream):
                 let_go.clear()

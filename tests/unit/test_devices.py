@@ -17,6 +17,7 @@ from asyncrpc.serde.devices import (
     route,
     validate,
 )
+from asyncrpc.serde.tensors import load_tensor
 
 
 def test_devices_are_named_as_torch_names_them() -> None:
@@ -156,3 +157,10 @@ def test_the_latest_storage_of_each_peer_segment_stays_open_for_a_while() -> Non
     assert kept.keep("s4", "e", 10, 1.4) == ["d"]  # (stale ones go with any new one)
     assert kept.keep("s5", "f", 95, 1.5) == ["e"]  # at most max_bytes in all
     assert (len(kept), kept.kept_bytes) == (1, 95)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a worker without CUDA")
+def test_a_tensor_for_a_device_this_worker_lacks_is_refused_naming_it() -> None:
+    meta = ("float32", (2,), (1,), False, "cuda:0", False)
+    with pytest.raises(SerializationError, match="device 'cuda:0', which this worker lacks"):
+        load_tensor(meta, bytearray(8))
