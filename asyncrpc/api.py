@@ -86,8 +86,9 @@ async def init_rpc(
     address the tcp listener binds and peers dial (default: this host's address on
     the way to the rendezvous); ``listen_port`` (or the environment variable
     ``ASYNCRPC_LISTEN_PORT``) fixes its port, for a firewall rule or a Kubernetes
-    NetworkPolicy (0, the default: any free port; a port in use fails ``init_rpc``,
-    naming it).  ``shared_memory`` enables the
+    NetworkPolicy: ``listen_port + LOCAL_RANK`` (torchrun sets ``LOCAL_RANK``, so the
+    workers of one host differ; 0, the default: any free port; a port in use fails
+    ``init_rpc``, naming it).  ``shared_memory`` enables the
     same-host path for large tensors; ``shared_memory_budget`` bounds the bytes of
     segments this worker holds (lent plus idle; beyond it, buffers go through the
     socket) and ``shared_memory_idle`` the idle ones kept for reuse.  ``busy_poll``
@@ -218,16 +219,27 @@ _OBSERVABILITY = "observability"  # ObservabilityServer.KEY, without importing a
 
 
 def _listen_port(given: int | None) -> int:
-    """``listen_port``, else the environment's ``ASYNCRPC_LISTEN_PORT``, else 0 (any)."""
+    """The tcp port to listen on: ``listen_port`` (else the environment's
+    ``ASYNCRPC_LISTEN_PORT``) plus ``LOCAL_RANK`` (torchrun's; 0 without it), so the
+    workers of one host differ; 0 (any free port) if neither is given."""
     if given is None:
-        text = os.environ.get("ASYNCRPC_LISTEN_PORT", "") or "0"
-        try:
-            given = int(text)
-        except ValueError:
-            raise ValueError(f"ASYNCRPC_LISTEN_PORT={text!r} is not a port number") from None
-    if not 0 <= given <= 65535:
-        raise ValueError(f"listen_port={given} is not a port number (0-65535)")
-    return given
+        given = _int_from_env("ASYNCRPC_LISTEN_PORT", "a port number") or 0
+    if not given:
+        return 0
+    port = given + (_int_from_env("LOCAL_RANK", "a local rank") or 0)
+    if not 0 < port <= 65535:
+        raise ValueError(f"listen_port {given} + LOCAL_RANK is {port}: not a port number")
+    return port
+
+
+def _int_from_env(variable: str, what: str) -> int | None:
+    text = os.environ.get(variable, "")
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{variable}={text!r} is not {what}") from None
 
 
 def _port_from_env() -> int | None:

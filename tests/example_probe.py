@@ -33,6 +33,7 @@ async def probed_shutdown(*args: Any, **kwargs: Any) -> None:
         "rank": agent.info.id,
         "addresses": agent.address.addresses,
         "master_addr": os.environ.get("MASTER_ADDR"),
+        "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
         "links": asyncrpc.get_debug_info()["links"],
     }
     print(PROBE_PREFIX + json.dumps(probe), flush=True)

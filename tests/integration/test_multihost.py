@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -57,12 +58,22 @@ def lines(stdout: str, prefix: str) -> list[str]:
     return [line[len(prefix) :] for line in stdout.splitlines() if line.startswith(prefix)]
 
 
+@pytest.mark.parametrize("pods", [False, True], ids=["hosts", "pods"])
 def test_torchrun_across_two_network_namespaces_trains_the_parameter_server(
-    hosts: list[Namespace],
+    hosts: list[Namespace], pods: bool
 ) -> None:
+    """``pods``: each node's torchrun in a PID namespace of its own too, as in a pod,
+    with the RPC port fixed (``ASYNCRPC_LISTEN_PORT``, plus each worker's local rank)."""
+    if pods and shutil.which("unshare") is None:
+        pytest.skip("needs util-linux's `unshare`")
     endpoint, job = f"{hosts[0].address}:{free_port()}", f"multihost{os.getpid()}"
     env = {"ASYNCRPC_SECRET": f"job-{job}"}  # as a deployment would set it, on each node
-    procs = [start_in(ns, torchrun(i, ns, endpoint, job), env) for i, ns in enumerate(hosts)]
+    port = free_port()
+    if pods:
+        env["ASYNCRPC_LISTEN_PORT"] = str(port)
+    wrap = ["unshare", "--pid", "--fork", "--kill-child"] if pods else []
+    commands = [[*wrap, *torchrun(i, ns, endpoint, job)] for i, ns in enumerate(hosts)]
+    procs = [start_in(ns, command, env) for ns, command in zip(hosts, commands, strict=True)]
     nodes = finish(procs, JOB_TIMEOUT)
     outputs = "\n".join(node.describe() for node in nodes)
 
@@ -76,6 +87,9 @@ def test_torchrun_across_two_network_namespaces_trains_the_parameter_server(
     for node_rank, probe in probes.values():
         ns = hosts[node_rank]
         assert probe["addresses"]["tcp"].startswith(f"tcp://{ns.address}:"), (probe, outputs)
+        if pods:
+            fixed = f"tcp://{ns.address}:{port + probe['local_rank']}"
+            assert probe["addresses"]["tcp"] == fixed, (probe, outputs)
         assert probe["master_addr"] == hosts[0].address, (probe, outputs)
         for peer, link in probe["links"].items():
             if probes[peer][0] == node_rank:
