@@ -164,7 +164,9 @@ async def init_rpc(
     contexts_of(agent)  # them (get_debug_info) from the start
     agent.store = store
     set_default_agent(agent)
-    port = metrics_port if metrics_port is not None else _port_from_env()
+    port = metrics_port
+    if port is None:
+        port = _int_from_env("ASYNCRPC_METRICS_PORT", "a port number")
     if port is not None:
         await _observe(agent, listen_host, port + rank if port else 0, dashboard, rank)
 
@@ -240,16 +242,6 @@ def _int_from_env(variable: str, what: str) -> int | None:
         return int(text)
     except ValueError:
         raise ValueError(f"{variable}={text!r} is not {what}") from None
-
-
-def _port_from_env() -> int | None:
-    value = os.environ.get("ASYNCRPC_METRICS_PORT", "")
-    if not value:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"ASYNCRPC_METRICS_PORT={value!r} is not a port number") from None
 
 
 def _from_env(variable: str) -> int:
