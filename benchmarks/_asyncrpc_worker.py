@@ -292,9 +292,11 @@ WORKLOADS: dict[str, Callable[[Config, WorkerArgs], Awaitable[Results]]] = {
     "fanin": fanin,
     "spread": spread,
     "tcp": tcp,
+    "veth": tcp,  # the same, the two processes in two namespaces joined by a veth pair
 }
 TCP_ONLY: dict[str, Any] = {"transports": ("tcp",), "shared_memory": False}
-"""asyncrpc over TCP alone (no unix socket, no shared memory): ``--workload tcp``."""
+"""asyncrpc over TCP alone (no unix socket, no shared memory): ``--workload tcp``/``veth``
+(across namespaces it listens on the address that routes to ``--host``, its veth end)."""
 
 
 async def main(args: WorkerArgs) -> None:
@@ -305,7 +307,7 @@ async def main(args: WorkerArgs) -> None:
         world_size=args.world_size,
         init_method=args.init_method,
         rpc_timeout=cfg.rpc_timeout,
-        **(TCP_ONLY if args.workload == "tcp" else {}),
+        **(TCP_ONLY if args.tcp_only else {}),
     )
     try:
         if not args.serves:

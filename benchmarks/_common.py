@@ -17,7 +17,7 @@ KB, MB, GB = 1 << 10, 1 << 20, 1 << 30
 CALLEE = "server"
 """The serving process: the last rank of every job; the other ranks (``w0``...) drive."""
 Results = dict[str, Any]
-WORKLOADS = ("calls", "cold", "steady", "bandwidth", "fanin", "spread", "tcp")
+WORKLOADS = ("calls", "cold", "steady", "bandwidth", "fanin", "spread", "tcp", "veth")
 """What one job of fresh processes runs (bench_rpc.py's docstring describes each)."""
 BATCH, FEATURES, CLASSES = 32, 256, 10
 """Shape of the model-parallel step: a float32 batch of BATCH x FEATURES, CLASSES labels."""
@@ -168,10 +168,17 @@ class WorkerArgs:
     size: int | None
     quick: bool
     cpu: int | None
+    host: str = "127.0.0.1"
+    """The rendezvous host: rank 0's address (``veth``: its namespace's end of the pair)."""
 
     @property
     def init_method(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
+        return f"tcp://{self.host}:{self.port}"
+
+    @property
+    def tcp_only(self) -> bool:
+        """Both frameworks forced onto TCP (``tcp``, and ``veth`` across namespaces)."""
+        return self.workload in ("tcp", "veth")
 
     @property
     def name(self) -> str:
@@ -207,14 +214,17 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> WorkerArgs:
     parser.add_argument("out", type=Path, help="folder where driving ranks write their results")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--workload", choices=WORKLOADS, default="calls")
-    parser.add_argument("--size", type=int, help="tensor size in bytes (cold, bandwidth, tcp)")
+    parser.add_argument(
+        "--size", type=int, help="tensor size in bytes (cold, bandwidth, tcp, veth)"
+    )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--cpu", type=int, help="run every thread of this process on this CPU")
+    parser.add_argument("--host", default="127.0.0.1", help="the rendezvous host (rank 0's)")
     ns = parser.parse_args(argv)
     if not 0 <= ns.rank < ns.world_size:
         parser.error(f"rank {ns.rank} is outside a world of {ns.world_size}")
     return WorkerArgs(
-        ns.rank, ns.world_size, ns.port, ns.out, ns.workload, ns.size, ns.quick, ns.cpu
+        ns.rank, ns.world_size, ns.port, ns.out, ns.workload, ns.size, ns.quick, ns.cpu, ns.host
     )
 
 

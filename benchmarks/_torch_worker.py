@@ -268,9 +268,12 @@ WORKLOADS: dict[str, Callable[[Config, WorkerArgs], Results]] = {
     "fanin": fanin,
     "spread": spread,
     "tcp": tcp,
+    "veth": tcp,  # the same, the two processes in two namespaces joined by a veth pair
 }
 TCP_ONLY: dict[str, Any] = {"_transports": ["uv"], "_channels": ["basic"]}
-"""TensorPipe over TCP alone (no shared memory, no cross-memory attach): ``--workload tcp``."""
+"""TensorPipe over TCP alone (no shared memory, no cross-memory attach): ``--workload tcp``/
+``veth`` (across namespaces the driver sets ``TP_SOCKET_IFNAME`` to the namespace's veth end,
+else TensorPipe listens on the hostname's address)."""
 
 
 def main() -> None:
@@ -285,7 +288,7 @@ def main() -> None:
         init_method=args.init_method,
         num_worker_threads=16,
         rpc_timeout=cfg.rpc_timeout,
-        **(TCP_ONLY if args.workload == "tcp" else {}),
+        **(TCP_ONLY if args.tcp_only else {}),
     )
     rpc.init_rpc(  # type: ignore[no-untyped-call]
         args.name, rank=args.rank, world_size=args.world_size, rpc_backend_options=options

@@ -2,16 +2,17 @@
 
 What it measures
 ----------------
-Each workload runs in fresh worker processes talking over loopback: the last rank,
-``server``, serves; the others (``w0``, ...) call it.  Only one job (one set of
-processes) runs at a time, so the frameworks never compete for cores: each job
-runs for torch, then for asyncrpc, before the next job starts, and a round is one
-pass over every job.  A full run does five rounds (``--rounds``), so that
-background load hits both alike; on a shared VM a whole round can land in a slow
-spell (round medians of one workload have differed by 2x within a run), hence
-five.  Each workload warms up first unless it measures the cold start; a row
-reports the median over rounds of each round's median.  Every worker runs with
-``OMP_NUM_THREADS=1``, as torchrun sets for multi-process jobs.  MB = 2**20 bytes.
+Each workload runs in fresh worker processes talking over loopback (``veth``: across
+a veth link between two network namespaces): the last rank, ``server``, serves; the
+others (``w0``, ...) call it.  Only one job (one set of processes) runs at a time, so
+the frameworks never compete for cores: each job runs for torch, then for asyncrpc,
+before the next job starts, and a round is one pass over every job.  A full run does
+five rounds (``--rounds``), so that background load hits both alike; on a shared VM
+a whole round can land in a slow spell (round medians of one workload have differed
+by 2x within a run), hence five.  Each workload warms up first unless it measures the
+cold start; a row reports the median over rounds of each round's median.  Every
+worker runs with ``OMP_NUM_THREADS=1``, as torchrun sets for multi-process jobs.
+MB = 2**20 bytes.
 
 One pair per round runs rows 1 to 8 (``--workloads calls``):
 
@@ -83,6 +84,16 @@ The other workloads, each in processes of its own:
     400 MB tensor (after a no-op), then steady echoes of it as row 10 (target 1.5x
     at 64 and 400 MB).  ``benchmarks/tcp_floor.py`` gives a raw socket's figures
     for the same echo.
+15. the same across a veth link (``veth``; one fresh pair per size and round): as
+    row 14, but the two processes run in two network namespaces joined by one veth
+    pair (made for the job, deleted after it; ``benchmarks/_veth.py``), so the bytes
+    cross a veth link, as between containers or pods of one host, instead of
+    loopback.  The rendezvous is at the caller's address; asyncrpc listens on the
+    address that routes to it, TensorPipe on the interface ``TP_SOCKET_IFNAME``
+    names (the namespace's end of the pair).  Same target as row 14.  It needs root
+    and iproute2's ``ip``: where namespaces cannot be made, the run says so once and
+    goes on without these rows.  ``tcp_floor.py --veth`` gives a raw socket's
+    figures across such a pair.
 
 How to read it
 --------------
@@ -109,7 +120,7 @@ bandwidth curve and N-client scaling to a PNG beside it (``--plot``).  A job
 that fails stops the run, but the rounds done so far are still reported.
 
 Usage: ``python benchmarks/bench_rpc.py [--quick] [--only torch|asyncrpc]
-[--rounds N] [--workloads calls,cold,steady,bandwidth,fanin,spread,tcp] [--skip-1g]
+[--rounds N] [--workloads calls,cold,steady,bandwidth,fanin,spread,tcp,veth] [--skip-1g]
 [--pin same|split] [--json PATH] [--plot PATH]``.  ``--quick`` (one round, small
 counts, tensors up to 4 MB, up to 2 clients, 2 pairs for the spread: a minute
 or two) is the smoke test.
@@ -152,6 +163,7 @@ from _common import (  # noqa: E402
     size_label,
     summary,
 )
+from _veth import Namespace, VethUnavailableError, veth_pair, wrap  # noqa: E402
 
 SIDES = ("torch", "asyncrpc")
 LABELS = {"torch": "torch.distributed.rpc", "asyncrpc": "asyncrpc"}
@@ -196,7 +208,7 @@ class Job:
 
 def jobs_of(cfg: Config, workload: str, largest: int) -> list[Job]:
     """The jobs one round runs for ``workload``; ``largest`` caps the bandwidth curve."""
-    if workload in ("cold", "tcp"):
+    if workload in ("cold", "tcp", "veth"):
         return [Job(workload, size=n, variant=size_label(n)) for n, _ in cfg.echo_sizes]
     if workload == "fanin":
         return [Job("fanin", clients=n, variant=str(n)) for n in cfg.fanin_clients]
@@ -264,8 +276,18 @@ def wait_all(procs: list[subprocess.Popen[bytes]], logs: list[Path], limit_s: fl
 
 
 def spawn_worker(
-    side: str, job: Job, rank: int, port: int, *, out: Path, quick: bool, cpu: int | None
+    side: str,
+    job: Job,
+    rank: int,
+    port: int,
+    *,
+    out: Path,
+    quick: bool,
+    cpu: int | None,
+    spaces: Sequence[Namespace] = (),
 ) -> subprocess.Popen[bytes]:
+    """Rank ``rank`` of ``job``; with ``spaces`` (``veth``), in namespace ``spaces[rank]``,
+    the rendezvous at ``spaces[0]``'s address."""
     command = [sys.executable, str(WORKERS[side]), str(rank), str(port), str(out)]
     command += [f"--world-size={job.clients + 1}", f"--workload={job.workload}"]
     if job.size is not None:
@@ -274,10 +296,18 @@ def spawn_worker(
         command.append("--quick")
     if cpu is not None:
         command.append(f"--cpu={cpu}")
+    env = WORKER_ENV
+    if spaces:
+        command = wrap(spaces[rank], [*command, f"--host={spaces[0].address}"])
+        # torch listens on the hostname's address (loopback here) unless told the
+        # interface: TensorPipe's uv transport, and the Gloo group its init_rpc makes;
+        # asyncrpc picks the address that routes to --host.
+        veth = spaces[rank].veth
+        env = {**WORKER_ENV, "TP_SOCKET_IFNAME": veth, "GLOO_SOCKET_IFNAME": veth}
     with log_path(out, rank).open("wb") as sink:
         return subprocess.Popen(
             command,
-            env=WORKER_ENV,
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=sink,
             stderr=subprocess.STDOUT,
@@ -301,26 +331,44 @@ def merge(job: Job, results: list[Results]) -> Results:
 
 
 def run_job(side: str, job: Job, quick: bool, cpus: Pinning, out: Path) -> Results:
-    """Run one framework's processes for ``job`` to completion, in the folder ``out``."""
+    """Run one framework's processes for ``job`` to completion, in the folder ``out``
+    (``veth``: in two fresh namespaces joined by a veth pair, deleted after the job)."""
     out.mkdir(parents=True)
+    started = time.monotonic()
+    if job.workload == "veth":
+        try:
+            with veth_pair() as spaces:
+                run_processes(side, job, quick, cpus, out, spaces)
+        except VethUnavailableError as exc:
+            raise BenchError(f"cannot make the veth pair: {exc}") from exc
+    else:
+        run_processes(side, job, quick, cpus, out)
+    result = merge(job, [json.loads(results_path(out, r).read_text()) for r in range(job.clients)])
+    result["wall_s"] = time.monotonic() - started
+    return result
+
+
+def run_processes(
+    side: str, job: Job, quick: bool, cpus: Pinning, out: Path, spaces: Sequence[Namespace] = ()
+) -> None:
+    """Start ``job``'s processes (rank r in ``spaces[r]`` if given), wait for all to
+    exit 0, kill what still runs, and print the tail of each one's output."""
     world = job.clients + 1
     logs = [log_path(out, rank) for rank in range(world)]
     port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
-    started = time.monotonic()
     try:
         for rank in range(world):
             cpu = cpus[1] if rank == world - 1 else cpus[0]
-            procs.append(spawn_worker(side, job, rank, port, out=out, quick=quick, cpu=cpu))
+            procs.append(
+                spawn_worker(side, job, rank, port, out=out, quick=quick, cpu=cpu, spaces=spaces)
+            )
         wait_all(procs, logs, JOB_LIMIT_S["quick" if quick else "full"])
     finally:
         stop(procs)
     for rank, log in enumerate(logs):
         if tail := log_tail(log):
             print(f"[{side} {job.key} rank {rank} output]\n{tail}", file=sys.stderr)
-    result = merge(job, [json.loads(results_path(out, r).read_text()) for r in range(job.clients)])
-    result["wall_s"] = time.monotonic() - started
-    return result
 
 
 def run_rounds(
@@ -599,15 +647,16 @@ def steady_rows(cfg: Config, raw: Raw) -> list[Row]:
     ]
 
 
-def tcp_rows(cfg: Config, raw: Raw) -> list[Row]:
-    """Both frameworks forced onto TCP: the first echo of a fresh pair, then steady."""
+def tcp_rows(cfg: Config, raw: Raw, workload: str = "tcp", label: str = "tcp only") -> list[Row]:
+    """Both frameworks forced onto TCP: the first echo of a fresh pair, then steady
+    (``workload`` ``veth``: across a veth pair)."""
     rows = []
     for nbytes, _ in cfg.echo_sizes:
-        key, mb = f"tcp/{size_label(nbytes)}", nbytes // MB
+        key, mb = f"{workload}/{size_label(nbytes)}", nbytes // MB
         if ran(raw, key):
             rows.append(
                 compare(
-                    f"tcp only: first echo {mb} MB",
+                    f"{label}: first echo {mb} MB",
                     both(raw, key, at("first_echo_ms")),
                     form=ms,
                     target=None,
@@ -615,7 +664,7 @@ def tcp_rows(cfg: Config, raw: Raw) -> list[Row]:
             )
             rows.append(
                 compare(
-                    f"tcp only: steady echo {mb} MB",
+                    f"{label}: steady echo {mb} MB",
                     both(raw, key, at("echo_ms")),
                     form=ms,
                     target=TCP.get(mb),
@@ -712,6 +761,7 @@ def spread_row(raw: Raw) -> list[Row]:
 def build_rows(cfg: Config, raw: Raw) -> list[Row]:
     rows = calls_rows(cfg, raw) if ran(raw, "calls") else []
     rows += cold_rows(cfg, raw) + steady_rows(cfg, raw) + tcp_rows(cfg, raw)
+    rows += tcp_rows(cfg, raw, "veth", "veth")
     rows += bandwidth_rows(cfg, raw)
     return rows + fanin_rows(cfg, raw) + spread_row(raw)
 
@@ -947,6 +997,18 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
+def veth_skipped(workloads: list[str]) -> str | None:
+    """Why the ``veth`` workload cannot run here (a namespace pair is made and deleted
+    to find out), or None if it can or was not asked for."""
+    if "veth" not in workloads:
+        return None
+    try:
+        with veth_pair():
+            return None
+    except VethUnavailableError as exc:
+        return f"veth rows skipped: cannot make two namespaces joined by a veth pair here ({exc})"
+
+
 def workload_list(text: str) -> list[str]:
     chosen = {name.strip() for name in text.split(",") if name.strip()}
     if unknown := chosen - set(WORKLOADS):
@@ -973,7 +1035,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=workload_list,
         default=list(WORKLOADS),
         metavar="LIST",
-        help=f"comma-separated, of {','.join(WORKLOADS)} (default: all)",
+        help=f"comma-separated, of {','.join(WORKLOADS)} (default: all; veth needs root "
+        "and iproute2, else it is skipped with a note)",
     )
     parser.add_argument(
         "--skip-1g", action="store_true", help="end the bandwidth curve at 256 MB (less memory)"
@@ -1022,6 +1085,10 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     sides = [side for side in SIDES if args.only in (None, side)]
+    if skipped := veth_skipped(args.workloads):  # said under the tables
+        args.workloads = [w for w in args.workloads if w != "veth"]
+        if not args.workloads:
+            raise BenchError(skipped)
     cpus = pinning(args.pin)
     largest = max(n for n in cfg.bandwidth_sizes if not (args.skip_1g and n >= GB))
     plan = schedule(cfg, args.workloads, args.rounds, largest)
@@ -1036,7 +1103,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{summary_line}\n")
     print(render(rows))
     print(f"\nPer round:\n\n{render_rounds(rows)}")
-    print("\n".join(["", *notes(raw, rows)]))
+    print("\n".join(["", *notes(raw, rows), *([skipped] if skipped else [])]))
     plotted = curves(cfg, raw)
     payload = {
         "machine": info,
@@ -1047,6 +1114,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": cfg.as_dict(),
         "load_average": [load_before, load_after],
         "failure": failure,
+        "skipped": skipped,
         "rows": [asdict(row) for row in rows],
         "combined": combine_calls(raw),
         "curves": plotted,

@@ -18,9 +18,12 @@ Each round runs every kind once, alternating, in a fresh pair of processes: one
 warm-up echo, then ``--echoes`` timed ones, of which the round keeps the median.
 Printed: GB/s of bytes moved (twice the payload per echo) for every round, and the
 median of the rounds.  Usage: ``python benchmarks/tcp_floor.py [--mb 4,64,400]
-[--rounds 5] [--echoes 5] [--kinds ...] [--socket-buffer BYTES]``; ``--socket-buffer``
-sets SO_SNDBUF and SO_RCVBUF of the raw kinds' sockets (default: the kernel's autotuning,
-as asyncrpc leaves it).
+[--rounds 5] [--echoes 5] [--kinds ...] [--socket-buffer BYTES] [--veth]``;
+``--socket-buffer`` sets SO_SNDBUF and SO_RCVBUF of the raw kinds' sockets (default: the
+kernel's autotuning, as asyncrpc leaves it).  ``--veth`` runs the two processes in two
+network namespaces joined by a veth pair (``_veth.py``; needs root), the floor of
+``bench_rpc.py --workloads veth``: the echoing side listens on its end's address, the
+rendezvous of the asyncrpc kind is at the timing side's.
 """
 
 from __future__ import annotations
@@ -38,12 +41,23 @@ from collections.abc import Callable
 
 import torch
 import uvloop
+from _veth import Namespace, veth_pair, wrap
 
 MB = 1 << 20
 HIGH_WATER = 4 << 20
 """asyncrpc's write-buffer high-water mark (``Link.connection_made``)."""
 BUFFER_ENV = "TCP_FLOOR_SOCKET_BUFFER"
 """How ``--socket-buffer`` reaches the processes of a round."""
+HOSTS_ENV = "TCP_FLOOR_HOSTS"
+"""The timing side's and the echoing side's addresses (``--veth``; else loopback)."""
+Veth = tuple[Namespace, Namespace] | None
+"""The timing side's namespace and the echoing side's (``--veth``), or None: loopback."""
+
+
+def hosts() -> tuple[str, str]:
+    """(the timing side's address: the rendezvous; the echoing side's: it listens there)."""
+    driver, server = os.environ.get(HOSTS_ENV, "127.0.0.1,127.0.0.1").split(",")
+    return driver, server
 
 
 def fresh(nbytes: int) -> tuple[torch.Tensor, memoryview]:
@@ -63,7 +77,7 @@ def tune(sock: socket.socket) -> socket.socket:
 
 
 def connect(port: int) -> socket.socket:
-    return tune(socket.create_connection(("127.0.0.1", port)))
+    return tune(socket.create_connection((hosts()[1], port)))
 
 
 def recv_exactly(sock: socket.socket, view: memoryview) -> bool:
@@ -189,7 +203,7 @@ async def rpc_worker(name: str, rank: int, port: int) -> None:
         name,
         rank=rank,
         world_size=2,
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://{hosts()[0]}:{port}",
         transports=("tcp",),
         shared_memory=False,
     )
@@ -232,7 +246,7 @@ def free_port() -> int:
 
 
 def listen(port: int) -> socket.socket:
-    return socket.create_server(("127.0.0.1", port))
+    return socket.create_server((hosts()[1], port))
 
 
 def connect_when_listening(port: int) -> socket.socket:
@@ -263,15 +277,20 @@ def drive(kind: str, port: int, nbytes: int, echoes: int) -> list[float]:
     return blocking_client(port, nbytes, echoes, reuse=kind == "blocking reused")
 
 
-def one_round(kind: str, nbytes: int, echoes: int) -> list[float]:
+def one_round(kind: str, nbytes: int, echoes: int, veth: Veth = None) -> list[float]:
     """Seconds per echo of ``kind``, in a fresh pair of processes (no fork: torch and
-    asyncrpc start threads)."""
-    port = free_port()
+    asyncrpc start threads); with ``veth``, the timing side in its first namespace and
+    the echoing side in its second."""
+    port = free_port()  # (in fresh namespaces, every port is free)
     me = [sys.executable, __file__, "--role"]
-    server = subprocess.Popen([*me, "serve", kind, str(port), str(nbytes)])
+    serve = [*me, "serve", kind, str(port), str(nbytes)]
+    drive = [*me, "drive", kind, str(port), str(nbytes), str(echoes)]
+    if veth:
+        serve, drive = wrap(veth[1], serve), wrap(veth[0], drive)
+    server = subprocess.Popen(serve)
     try:
         out = subprocess.run(
-            [*me, "drive", kind, str(port), str(nbytes), str(echoes)],
+            drive,
             check=True,
             capture_output=True,
             text=True,
@@ -301,22 +320,36 @@ def main() -> None:
     parser.add_argument(
         "--socket-buffer", type=int, default=0, help="SO_SNDBUF/SO_RCVBUF bytes (raw kinds)"
     )
+    parser.add_argument(
+        "--veth", action="store_true", help="across a veth pair between two namespaces (root)"
+    )
     parser.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ[BUFFER_ENV] = str(args.socket_buffer)
     if args.role:
         play(*args.role)
         return
+    if not args.veth:
+        measure(args)
+        return
+    with veth_pair() as spaces:
+        os.environ[HOSTS_ENV] = ",".join(ns.address for ns in spaces)
+        measure(args, spaces)
+
+
+def measure(args: argparse.Namespace, veth: Veth = None) -> None:
+    """Every round, every size, every kind; then the table."""
     kinds = [k for k in KINDS if k in args.kinds.split(",")]
     sizes = [int(mb) * MB for mb in args.mb.split(",")]
     gbps: dict[tuple[int, str], list[float]] = {(n, k): [] for n in sizes for k in kinds}
     for _ in range(args.rounds):  # alternating, so that a noisy moment hits every kind
         for nbytes in sizes:
             for kind in kinds:
-                seconds = statistics.median(one_round(kind, nbytes, args.echoes))
+                seconds = statistics.median(one_round(kind, nbytes, args.echoes, veth))
                 gbps[nbytes, kind].append(2 * nbytes / seconds / 1e9)
     print(
-        f"echo over loopback TCP, two processes, {args.rounds} rounds of {args.echoes} "
+        f"echo over {'TCP across a veth pair' if veth else 'loopback TCP'}, two processes, "
+        f"{args.rounds} rounds of {args.echoes} "
         f"echoes (GB/s moved, 2x the payload; per round, then the median), "
         f"load {os.getloadavg()[0]:.2f}"
     )

@@ -12,7 +12,7 @@ import pytest
 
 from tests.cluster import ROOT
 
-# bench_rpc's quick mode starts 16 sets of fresh processes (8 jobs, 2 frameworks): about
+# bench_rpc's quick mode starts 20 sets of fresh processes (10 jobs, 2 frameworks): about
 # a minute on an idle 2-core VM, more beside other jobs; bench_service's, two services
 # of 3 processes and a few hundred requests: about 20 s.
 pytestmark = pytest.mark.timeout(420)
