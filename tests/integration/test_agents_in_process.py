@@ -519,7 +519,7 @@ async def test_a_scheme_registered_in_schemes_serves_agents_unchanged(
         return server, bound.replace("tcp://", "loop://", 1)
 
     loop_scheme = endpoints.Scheme(
-        listen, tcp.dial, lambda host, _: f"loop://{host}:0", scope=NETWORK
+        listen, tcp.dial, lambda host, _, port: f"loop://{host}:{port}", scope=NETWORK
     )
     monkeypatch.setitem(endpoints.SCHEMES, "loop", loop_scheme)
     async with joined_agents("ab", AgentOptions(transports=("loop",), rpc_timeout=10)) as (a, b):
