@@ -46,6 +46,10 @@ from asyncrpc.transport import DEFAULT_BUDGET, DEFAULT_MAX_IDLE, DEFAULT_SILENT_
 from asyncrpc.wire import DEFAULT_MAX_FRAME_SIZE
 
 log = logging.getLogger("asyncrpc")
+# Jobs of at most this many workers connect every pair during init_rpc (as torch's agent
+# does), waiting at most CONNECT_AHEAD_WAIT seconds; larger ones connect on first use.
+CONNECT_AHEAD_UP_TO = 32
+CONNECT_AHEAD_WAIT = 1.0
 Target = str | int | WorkerInfo
 T = TypeVar("T")
 
@@ -164,6 +168,8 @@ async def init_rpc(
     contexts_of(agent)  # them (get_debug_info) from the start
     agent.store = store
     set_default_agent(agent)
+    if world_size <= CONNECT_AHEAD_UP_TO:
+        await agent.connect_peers(within=CONNECT_AHEAD_WAIT)
     port = metrics_port
     if port is None:
         port = _int_from_env("ASYNCRPC_METRICS_PORT", "a port number")

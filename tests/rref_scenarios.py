@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import time
 from typing import Any
 
@@ -67,11 +68,21 @@ class ParameterServer:
     def __init__(self, size: int) -> None:
         self.weights = torch.zeros(size)
         self.pushes = 0
+        # Pushes run in the owner's thread pool, several at once: an in-place add is a
+        # read-modify-write that drops updates when two threads interleave (as in torch).
+        self.lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:  # (to_here() sends it back, lock aside)
+        return {"weights": self.weights, "pushes": self.pushes}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, lock=threading.Lock())
 
     def push(self, grad: torch.Tensor) -> int:
-        self.weights += grad
-        self.pushes += 1
-        return self.pushes
+        with self.lock:
+            self.weights += grad
+            self.pushes += 1
+            return self.pushes
 
     async def pull(self) -> torch.Tensor:
         return self.weights.clone()

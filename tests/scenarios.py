@@ -179,7 +179,7 @@ def raises(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
 async def basics(cfg: Config) -> dict[str, Any]:
     """Rank 0 exercises the API against rank 1; rank 1 serves."""
     await cfg.join(rpc_timeout=20)
-    seen: dict[str, Any] = {}
+    seen: dict[str, Any] = {"linked_at_init": sorted(asyncrpc.get_debug_info()["links"])}
     if cfg.rank == 0:
         seen.update(await _calls(cfg))
         seen.update(await _errors())

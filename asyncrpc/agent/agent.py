@@ -656,6 +656,19 @@ class RpcAgent:
                 self._drop(message, None, link)
         del self._backlog[peer]
 
+    async def connect_peers(self, within: float) -> None:
+        """Dial every other worker now, as torch's agent does during its init, so that a
+        first call does not pay for the connection: wait at most ``within`` seconds (the
+        rest go on in the background).  A dial that fails is no error here: a call to
+        that peer fails, or dials again, as it would have."""
+        dials = [
+            self._spawn(self._connect(peer)) for peer in self._workers if peer != self.info.name
+        ]
+        for dialing in dials:
+            dialing.add_done_callback(_quietly)
+        if dials:
+            await asyncio.wait(dials, timeout=within)
+
     async def _connect(self, peer: str) -> Link:
         link = self._links.get(peer)
         if link is not None:
@@ -1008,6 +1021,12 @@ def _add_bytes(totals: dict[str, dict[str, int]], link: Link) -> None:
             counts = totals.setdefault(kind, {"sent": 0, "received": 0})
             counts["sent"] += sent
             counts["received"] += received
+
+
+def _quietly(task: asyncio.Task[Any]) -> None:
+    """A background dial's outcome, whatever it is, is not an error of its own."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("connecting ahead of time failed: %r", task.exception())
 
 
 def _busy(exc: BaseException) -> bool:

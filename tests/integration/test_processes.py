@@ -30,6 +30,7 @@ def test_basics(loop: str, transport: str) -> None:
     assert seen["rpc_sync_on_loop"]["error"] == "AgentStateError"
     assert "event loop thread" in seen["rpc_sync_on_loop"]["message"]
     assert seen["worker_info"] == [1, "w1"]
+    assert seen["linked_at_init"] == ["w1"]  # init_rpc connected ahead of the first call
     debug = seen["debug"]
     assert debug["pending_outgoing_calls"] == 0
     assert "w1" in debug["connected_peers"]
