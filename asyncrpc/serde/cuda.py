@@ -221,7 +221,7 @@ def device_of(name: str) -> torch.device:
     device = _devices.get(name)
     if device is None:
         device = torch.device(name)
-        if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
+        if (device.index or 0) >= device_count():
             raise SerializationError(
                 f"received a tensor for device {name!r}, which this worker lacks"
             )

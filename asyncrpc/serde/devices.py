@@ -127,7 +127,7 @@ def validate(workers: Mapping[str, WorkerDevices]) -> None:
     """Check every worker's devices and maps, as torch does at init; ``ValueError``
     naming the worker, the map and what is wrong."""
     for worker in workers.values():
-        _check_devices(worker.name, worker.devices, worker.device_count, "devices")
+        _check_count(worker.name, worker, worker.devices, "devices")
     for source in workers.values():
         for peer, device_map in source.maps.items():
             target = workers.get(peer)
@@ -137,33 +137,36 @@ def validate(workers: Mapping[str, WorkerDevices]) -> None:
                     f"worker of this job (workers: {', '.join(sorted(workers))})"
                 )
             where = f"in its device map for {peer!r} ({device_map})"
-            _check_side(source, device_map.keys(), f"source devices {where}")
-            _check_side(target, device_map.values(), f"target devices {where}", source.name)
+            _check_side(source.name, source, device_map.keys(), f"source devices {where}")
+            _check_side(source.name, target, device_map.values(), f"target devices {where}")
             if len(set(device_map.values())) != len(device_map):
                 raise ValueError(f"worker {source.name!r} maps two devices onto one {where}")
 
 
-def _check_side(worker: WorkerDevices, names: Iterable[str], what: str, owner: str = "") -> None:
-    cuda = list(names)
-    owner = owner or worker.name
-    if worker.devices:
-        outside = sorted(set(cuda) - set(worker.devices))
+def _check_side(owner: str, holder: WorkerDevices, names: Iterable[str], what: str) -> None:
+    """Worker ``owner``'s map names ``names`` (``what``) on worker ``holder``: each must
+    be among ``holder``'s devices, if it lists them, and a device it has."""
+    names = list(names)
+    if holder.devices:
+        outside = sorted(set(names) - set(holder.devices))
         if outside:
             raise ValueError(
-                f"worker {owner!r} has {what} that worker {worker.name!r} does not use: "
-                f"{outside} (its devices: {list(worker.devices)})"
+                f"worker {owner!r} has {what} that worker {holder.name!r} does not use: "
+                f"{outside} (its devices: {list(holder.devices)})"
             )
-    _check_devices(owner, cuda, worker.device_count, what, worker.name)
+    _check_count(owner, holder, names, what)
 
 
-def _check_devices(
-    owner: str, names: Iterable[str], count: int, what: str, holder: str = ""
-) -> None:
-    holder = holder or owner
+def _check_count(owner: str, holder: WorkerDevices, names: Iterable[str], what: str) -> None:
+    """Worker ``owner`` names ``names`` (``what``) on worker ``holder``, which must have
+    each of those device indices."""
+    count = holder.device_count
     missing = sorted(n for n in names if _index(n) >= count)
     if missing:
         has = f"{count} CUDA device{'s' if count != 1 else ''}" if count else "no CUDA device"
-        raise ValueError(f"worker {owner!r} has {what} {missing}, but worker {holder!r} has {has}")
+        raise ValueError(
+            f"worker {owner!r} has {what} {missing}, but worker {holder.name!r} has {has}"
+        )
 
 
 def devices_used(name: str, workers: Mapping[str, WorkerDevices]) -> tuple[str, ...]:
