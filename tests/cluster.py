@@ -49,6 +49,21 @@ class Worker:
         )
 
 
+def run_script(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python SCRIPT ARGS`` from the repository root (a benchmark, say), output captured;
+    fails the test unless it exits 0."""
+    done = subprocess.run(
+        [sys.executable, script, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
 def run_job(
     scenario: str,
     world: int = 2,

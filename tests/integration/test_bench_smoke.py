@@ -4,13 +4,11 @@ side-by-side one, and the inference service's load test."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.cluster import ROOT
+from tests.cluster import run_script
 
 # bench_rpc's quick mode starts 20 sets of fresh processes (10 jobs, 2 frameworks): about
 # a minute on an idle 2-core VM, more beside other jobs; bench_service's, two services
@@ -20,15 +18,7 @@ pytestmark = pytest.mark.timeout(420)
 
 def test_bench_quick_mode_runs_both_frameworks(tmp_path: Path) -> None:
     results = tmp_path / "bench.json"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/bench_rpc.py", "--quick", "--json", str(results)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = run_script("benchmarks/bench_rpc.py", "--quick", "--json", str(results), timeout=400)
     rows = (
         "no-op round trip",
         "remote + to_here round trip",
@@ -57,16 +47,8 @@ def test_bench_quick_mode_runs_both_frameworks(tmp_path: Path) -> None:
 
 def test_service_bench_quick_mode_measures_both_modes_with_no_failure(tmp_path: Path) -> None:
     results, plot = tmp_path / "service.json", tmp_path / "service.png"
-    command = [sys.executable, "benchmarks/bench_service.py", "--quick"]
-    done = subprocess.run(
-        [*command, "--json", str(results), "--plot", str(plot)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=200,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    args = ("--quick", "--json", str(results), "--plot", str(plot))
+    done = run_script("benchmarks/bench_service.py", *args, timeout=200)
     payload = json.loads(results.read_text())
     assert payload["failed"] == 0
     for mode in ("batched", "unbatched"):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -12,22 +11,16 @@ from typing import Any
 
 import pytest
 
-from tests.cluster import ROOT
+from tests.cluster import ROOT, run_script
 
 pytestmark = pytest.mark.timeout(240)
 
 
 def test_short_soak_loses_no_call_and_every_worker_exits_0(tmp_path: Path) -> None:
     report_path = tmp_path / "soak.json"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/soak.py", "--duration", "6", "--json", str(report_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=220,
-        check=False,
+    done = run_script(
+        "benchmarks/soak.py", "--duration", "6", "--json", str(report_path), timeout=220
     )
-    assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(report_path.read_text())
     assert report["ok"] and report["problems"] == [], report["problems"]
     assert [w["exit_code"] for w in report["workers"]] == [0, 0, 0]
