@@ -198,6 +198,20 @@ class WorkerArgs:
         return results_path(self.out, self.rank)
 
 
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files (Agg); None, after a warning, without
+    matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("warning: matplotlib is not installed (pip install -e '.[dev]'): no plot")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def worker_name(rank: int, world_size: int) -> str:
     return CALLEE if rank == world_size - 1 else f"w{rank}"
 

@@ -159,6 +159,7 @@ from _common import (  # noqa: E402
     Results,
     config,
     median,
+    pyplot,
     results_path,
     size_label,
     summary,
@@ -924,14 +925,9 @@ def notes(raw: Raw, rows: list[Row]) -> list[str]:
 
 def plot(path: Path, plotted: Results, title: str) -> None:
     """Two panels: the bandwidth curve (GB/s against size) and the N-client scaling."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("warning: matplotlib is not installed (pip install -e '.[dev]'): no plot")
+    plt = pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
     left.set_xscale("log", base=2)
     left.set_yscale("log")

@@ -58,6 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVICE = ROOT / "examples" / "inference_service.py"
 sys.path.insert(0, str(SERVICE.parent))
 import inference_service as service  # noqa: E402  (its model, to time it here)
+from _common import pyplot  # noqa: E402
 
 MODES = ("batched", "unbatched")
 STARTUP_S = 90.0  # imports and rendezvous of 3 processes on a busy 2-core machine
@@ -229,14 +230,9 @@ def speedups(results: dict[str, list[Point]]) -> dict[int, float]:
 
 def plot(path: Path, results: dict[str, list[Point]], title: str) -> None:
     """Throughput and latency (p50 solid, p99 dashed) against concurrency."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[dev]'): no plot")
+    plt = pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
     for mode, points in results.items():
         counts = [p.concurrency for p in points]
