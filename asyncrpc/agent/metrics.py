@@ -37,6 +37,10 @@ BUCKETS = (
 """Histogram upper bounds in seconds (a last bucket, +Inf, holds the rest)."""
 
 OUTCOMES = ("ok", "error", "timeout", "lost", "cancelled")
+MAX_SERIES = 256
+"""Functions counted apart, per direction; calls of any further ones count together
+under ``OTHER``, so that a job whose call names vary cannot grow memory without end."""
+OTHER = "(other functions)"
 
 
 def outcome_of(error: BaseException | None) -> str:
@@ -131,7 +135,7 @@ class CallMetrics:
         """A call this worker made ended."""
         calls = self._made.get(function)
         if calls is None:
-            calls = self._made[function] = FunctionCalls(queued=False)
+            calls = _series(self._made, function, queued=False)
         calls.outcomes[_OUTCOME_INDEX[outcome]] += 1
         calls.seconds.observe(seconds)
 
@@ -140,7 +144,7 @@ class CallMetrics:
         ``queued`` before it started."""
         calls = self._served.get(function)
         if calls is None:
-            calls = self._served[function] = FunctionCalls(queued=True)
+            calls = _series(self._served, function, queued=True)
         calls.outcomes[_OUTCOME_INDEX[outcome]] += 1
         calls.seconds.observe(seconds)
         calls.queued.observe(queued)  # type: ignore[union-attr]  # served: always kept
@@ -153,6 +157,17 @@ class CallMetrics:
             "made": {f: calls.snapshot() for f, calls in list(self._made.items())},
             "served": {f: calls.snapshot() for f, calls in list(self._served.items())},
         }
+
+
+def _series(series: dict[str, FunctionCalls], function: str, *, queued: bool) -> FunctionCalls:
+    """The counters of a function not counted yet: its own, or, beyond ``MAX_SERIES``
+    functions, the ones they all share."""
+    if len(series) >= MAX_SERIES:
+        function = OTHER
+        if function in series:
+            return series[function]
+    calls = series[function] = FunctionCalls(queued=queued)
+    return calls
 
 
 class NullMetrics(CallMetrics):

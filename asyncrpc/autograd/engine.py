@@ -97,7 +97,7 @@ async def _pass_on(agent: RpcAgent, context: AutogradContext, outgoing: dict[int
             sender,
             _backward_from_sends,
             (context.id, grads, agent.info.id),
-            label=f"distributed backward of context {context.id}",
+            label="distributed backward",  # one metric series, not one per step
         )
         for sender, grads in outgoing.items()
     ]

@@ -151,7 +151,7 @@ class RRef(Generic[T]):
             return await self._local_value_within(timeout)
         self._raise_creation_error()
         value = self._context.agent.rpc_async(
-            self._owner, _fetch, (self._id,), timeout=timeout, label=f"{self!r}.to_here"
+            self._owner, _fetch, (self._id,), timeout=timeout, label="RRef.to_here"
         )
         return await self._unless_creation_fails(value)  # type: ignore[no-any-return]
 
@@ -212,7 +212,7 @@ class RRef(Generic[T]):
             await _backward(self, context_id)
             return
         await self._context.agent.rpc_async(
-            self._owner, _backward, (self, context_id), label=f"{self!r}.backward"
+            self._owner, _backward, (self, context_id), label="RRef.backward"
         )
 
     # -- proxies -------------------------------------------------------------------
@@ -294,7 +294,7 @@ class _MethodCall:
 
     def __init__(self, rref: RRef[Any], method: str) -> None:
         self.rref, self.method = rref, method
-        self.rpc_name = f"RRef{rref._id}.{method}"
+        self.rpc_name = f"RRef.{method}"  # one metric series per method, not per RRef
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.rref.is_owner():

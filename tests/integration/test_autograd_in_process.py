@@ -650,3 +650,19 @@ async def test_tensors_serde_leaves_to_torch_are_recorded_too(trio: Agents) -> N
         await autograd.backward(ctx, [y.sum()])
         got = autograd.get_gradients(ctx)[leaf]
     assert got.device.type == "meta" and got.shape == leaf.shape
+
+
+async def test_metrics_name_steps_by_kind_not_by_rref_or_context(trio: Agents) -> None:
+    """A training job makes new RRefs and autograd contexts every step: their calls
+    must count in one series per kind, not a new series per RRef or context."""
+    a, b, _ = trio
+    steps = 4
+    for _ in range(steps):
+        stage = remote("b", Stage, (9,))
+        async with autograd.context() as ctx:
+            y = await stage.rpc_async().forward(weights(2, 4, seed=13))
+            await autograd.backward(ctx, [(await stage.to_here()).w.sum() + y.sum()])
+    made, served = a.metrics.snapshot()["made"], b.metrics.snapshot()["served"]
+    for name in ("RRef.forward", "RRef.to_here", "distributed backward"):
+        assert made[name]["outcomes"] == {"ok": steps}, name
+        assert served[name]["outcomes"] == {"ok": steps}, name

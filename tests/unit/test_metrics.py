@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from asyncrpc import AgentStateError, PeerLostError, RPCTimeoutError
-from asyncrpc.agent.metrics import BUCKETS, CallMetrics, Histogram, outcome_of, quantile
+from asyncrpc.agent.metrics import (
+    BUCKETS,
+    MAX_SERIES,
+    OTHER,
+    CallMetrics,
+    Histogram,
+    outcome_of,
+    quantile,
+)
 
 
 def test_a_histogram_counts_each_observation_in_the_first_bucket_that_holds_it() -> None:
@@ -52,3 +60,16 @@ def test_outcomes_are_named_by_what_the_call_failed_with() -> None:
     remote_timeout = RPCTimeoutError("a nested call timed out")
     remote_timeout.remote_worker = "w1"  # type: ignore[attr-defined]
     assert outcome_of(remote_timeout) == "error"  # raised by the remote function
+
+
+def test_function_series_are_bounded_the_rest_count_together() -> None:
+    m = CallMetrics()
+    for i in range(MAX_SERIES + 50):
+        m.made(f"f{i}", "ok", 0.001)
+        m.served(f"g{i}", "ok", 0.001, queued=0.0)
+    snap = m.snapshot()
+    for side in ("made", "served"):
+        assert len(snap[side]) == MAX_SERIES + 1, side
+        assert sum(snap[side][OTHER]["outcomes"].values()) == 50, side
+    m.made("f0", "error", 0.1)  # a function counted apart stays apart
+    assert m.snapshot()["made"]["f0"]["outcomes"] == {"ok": 1, "error": 1}
