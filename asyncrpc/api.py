@@ -30,8 +30,7 @@ from asyncrpc.rendezvous import (
     gather,
     job_secret,
     listen_host_for,
-    scoped,
-    store_name,
+    open_job,
 )
 from asyncrpc.rref import context_for
 from asyncrpc.serde import cuda
@@ -133,10 +132,9 @@ async def init_rpc(
     wait = rpc_timeout if rpc_timeout > 0 else 1800.0
     if listen_host is None:
         listen_host = listen_host_for(init_method, store)
-    where = store_name(init_method, store)
     if store is None:
         store = await _rendezvous(create_store, init_method, rank, world_size, wait)
-    store = scoped(store, where)
+    store = await _rendezvous(open_job, store, rank, world_size)
     secret = await _rendezvous(job_secret, store, rank)
     options = AgentOptions(
         rpc_timeout=rpc_timeout,

@@ -7,8 +7,7 @@ from asyncrpc.rendezvous.store import (
     gather,
     job_secret,
     listen_host_for,
-    scoped,
-    store_name,
+    open_job,
 )
 
 __all__ = (
@@ -18,6 +17,5 @@ __all__ = (
     "gather",
     "job_secret",
     "listen_host_for",
-    "scoped",
-    "store_name",
+    "open_job",
 )

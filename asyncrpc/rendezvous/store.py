@@ -13,9 +13,11 @@ Theory of operation
 Rank 0 hosts a TCPStore on the init_method's address only (torch's would listen
 on every interface).  Its store is multi-tenant, as torch's rendezvous makes
 them: where this process already serves that port (a process group's store on
-MASTER_PORT), the server is shared.  Each job's keys live under a per-process
-job counter (:func:`scoped`), as torch's RPC does, so one store can serve
-several jobs in a row.
+MASTER_PORT), the server is shared.  Each job's keys live under a job number
+that rank 0 takes from a counter in the store and the other ranks join
+(:func:`open_job`), so one store serves several jobs in a row, and the keys a
+failed attempt left (torchrun restarting its workers on its own store) are never
+read as the next one's.
 
 Each worker publishes one msgpack record under ``asyncrpc/job<n>/worker/<rank>`` and
 reads everyone's; names are claimed with an atomic counter so a duplicate is
@@ -29,10 +31,10 @@ from __future__ import annotations
 
 import errno
 import ipaddress
-import itertools
 import os
 import secrets
 import socket
+import time
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
@@ -67,28 +69,100 @@ def create_store(init_method: str, rank: int, world_size: int, timeout: float) -
     raise ValueError(f"unsupported init_method {init_method!r} (use tcp://, env:// or file://)")
 
 
-_jobs_joined: dict[str, itertools.count[int]] = {}  # per store: jobs this process joined
+JOBS = f"{PREFIX}/jobs"
+"""The store's count of asyncrpc jobs opened on it so far (job numbers start at 1)."""
+STALE_POLL = timedelta(seconds=0.2)
+"""How often a rank waiting for its job to open looks whether a newer one began."""
 
 
-def scoped(store: Store, where: str) -> Store:
-    """The part of ``store`` for this process's next job on it: a store outlives a job (a
-    process group's, one passed to init_rpc twice), and a second job must not read the
-    first one's records.  Every rank of a job has joined as many jobs on that store
-    before it, as in torch.  ``where`` names the store (its address, its file, or the
-    object passed in), so a job on a fresh store starts afresh: a process that calls
-    init_rpc again with new peers at a new address meets them at job 0."""
-    jobs = _jobs_joined.setdefault(where, itertools.count())
-    return dist.PrefixStore(f"{PREFIX}/job{next(jobs)}", store)  # type: ignore[attr-defined]
+def open_job(store: Store, rank: int, world_size: int) -> Store:
+    """The part of ``store`` where this job's keys live, agreed with the other ranks.
+
+    A store outlives jobs: a process group's, torchrun's agent store across restarts of
+    its workers, one passed to init_rpc twice.  Its earlier jobs' keys must not be read
+    as this job's, whoever left them (dead processes of a failed attempt included).  So
+    rank 0 opens a job with a new number (a counter in the store), each other rank says
+    it joins that job with a random token, and rank 0 publishes the tokens of everyone
+    who joined: a rank that finds the job open without its token has found an older
+    job (its rank 0 gone) and waits for the next one."""
+    job = _open(store, world_size) if rank == 0 else _join(store, rank, world_size)
+    return dist.PrefixStore(f"{PREFIX}/job{job}", store)  # type: ignore[attr-defined]
 
 
-def store_name(init_method: str, store: Store | None) -> str:
-    """What identifies the store of ``init_method`` (or the ``store`` given) across jobs."""
-    if store is not None:
-        return f"object:{id(store)}"
-    if init_method.startswith(("tcp://", "env://")):
-        host, port = master_address(init_method)
-        return f"tcp://{host}:{port}"
-    return init_method
+def _open(store: Store, world_size: int) -> int:
+    """Rank 0: a new job number; returns once every rank has joined it."""
+    job = int(store.add(JOBS, 1))
+    scope = f"{PREFIX}/job{job}"
+    store.set(f"{scope}/created", b"")
+    store.set(f"{scope}/joined/0", b"")
+    _wait_for_ranks(store, f"{scope}/joined", world_size, "joined", 0)
+    tokens = [bytes(store.get(f"{scope}/joined/{r}")) for r in range(world_size)]
+    store.set(f"{scope}/open", msgpack.packb(tokens))
+    return job
+
+
+def _join(store: Store, rank: int, world_size: int) -> int:
+    """Another rank: the number of the job its rank 0 opened with it (see open_job)."""
+    token = secrets.token_bytes(16)
+    deadline = time.monotonic() + store.timeout.total_seconds()
+    stale = 0  # every job up to this one is not ours
+    while True:
+        scope = f"{PREFIX}/job{stale + 1}"
+        _wait_until(store, f"{scope}/created", deadline, scope, world_size)
+        job = int(store.add(JOBS, 0))  # the newest (a job opened after ours began is not)
+        scope = f"{PREFIX}/job{job}"
+        store.set(f"{scope}/joined/{rank}", token)
+        tokens = _tokens_when_open(store, job, deadline, world_size)
+        if tokens is not None and rank < len(tokens) and tokens[rank] == token:
+            return job
+        stale = job
+
+
+def _tokens_when_open(store: Store, job: int, deadline: float, world_size: int) -> Any:
+    """The tokens job ``job`` opened with, or None if a newer job began first (rank 0
+    of ``job`` is gone)."""
+    scope = f"{PREFIX}/job{job}"
+    while True:
+        try:
+            _wait_until(store, f"{scope}/open", deadline, scope, world_size, STALE_POLL)
+        except _NotYetError:
+            if int(store.add(JOBS, 0)) > job:
+                return None
+            continue
+        return msgpack.unpackb(bytes(store.get(f"{scope}/open")))
+
+
+class _NotYetError(Exception):
+    """A short wait for a key ended without it."""
+
+
+def _wait_until(  # noqa: PLR0917 (a helper of _join, in its thread)
+    store: Store,
+    key: str,
+    deadline: float,
+    scope: str,
+    world_size: int,
+    slice_: timedelta | None = None,
+) -> None:
+    """Wait for ``key`` until ``deadline`` (then an RPCTimeoutError naming the ranks that
+    have not joined ``scope``), or at most ``slice_`` (then ``_NotYetError``)."""
+    left = deadline - time.monotonic()
+    wait = timedelta(seconds=max(left, 0.001))
+    if slice_ is not None and slice_ < wait:
+        wait = slice_
+    try:
+        store.wait([key], wait)
+    except dist.DistNetworkError:
+        raise
+    except RuntimeError:  # a timeout (DistStoreError from a TCPStore)
+        if slice_ is not None and time.monotonic() < deadline:
+            raise _NotYetError from None
+        joined = [store.check([f"{scope}/joined/{r}"]) for r in range(world_size)]
+        missing = [r for r, done in enumerate(joined) if not done]
+        raise RPCTimeoutError(
+            f"rendezvous: rank(s) {missing} of {world_size} have not joined "
+            f"within {store.timeout.total_seconds():g}s"
+        ) from None
 
 
 def master_address(init_method: str) -> tuple[str, int]:

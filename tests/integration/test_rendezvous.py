@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -40,7 +41,7 @@ def test_env_rendezvous_under_torchrun_uses_the_agent_store() -> None:
     }
     workers = run_job("rendezvous", env=env)
     assert [w.result["peer_says"] for w in workers] == ["w1", "w0"]
-    assert agent_store.check(["asyncrpc/job0/worker/0", "asyncrpc/job0/worker/1"])
+    assert agent_store.check(["asyncrpc/job1/worker/0", "asyncrpc/job1/worker/1"])
 
 
 def test_file_rendezvous(tmp_path: Path) -> None:
@@ -154,3 +155,23 @@ asyncio.run(main())
 
 def _tcp(port: int) -> str:
     return f"tcp://127.0.0.1:{port}"
+
+
+def test_torchrun_restarting_its_workers_meets_afresh_on_its_own_store() -> None:
+    """torchrun keeps one store across restarts of its workers; the keys the failed
+    attempt left there (its dead rank's included) must not be read as the next one's
+    (before: ``worker name 'w1' is not unique``, or records of dead workers)."""
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+        *("--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2"),
+        "tests/restart_worker.py",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90, check=False
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "attempt 0: rank 1 joined" in out, out  # the first attempt met, then failed
+    results = sorted(re.findall(r"RESULT attempt=\d+ rank=\d+ peer=w\d+", done.stdout))
+    assert results == ["RESULT attempt=1 rank=0 peer=w1", "RESULT attempt=1 rank=1 peer=w0"], out
