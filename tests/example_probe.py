@@ -4,7 +4,9 @@
 (as ``python examples/NAME.py ARGS`` would) with ``asyncrpc.shutdown`` wrapped: as the
 worker starts to leave the job, it prints one line, ``PROBE {...}``: its name, rank,
 the addresses it published (``tcp://host:port``, ``unix://@...``), the store it met the others at
-(``MASTER_ADDR``), and its links (``get_debug_info()["links"]``).  Used by
+(``MASTER_ADDR``), its links (``get_debug_info()["links"]``), and how many times its
+torchrun agent had restarted its worker group (``TORCHELASTIC_RESTART_COUNT``: 0 in the
+first attempt).  Used by
 tests/integration/test_multihost.py, which runs examples under torchrun across network
 namespaces and must see each worker listen on its own namespace's address.
 """
@@ -34,6 +36,7 @@ async def probed_shutdown(*args: Any, **kwargs: Any) -> None:
         "addresses": agent.address.addresses,
         "master_addr": os.environ.get("MASTER_ADDR"),
         "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+        "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         "links": asyncrpc.get_debug_info()["links"],
     }
     print(PROBE_PREFIX + json.dumps(probe), flush=True)

@@ -15,7 +15,9 @@ namespace is not touched, and everything is deleted whatever happens.  By hand::
 
 ``run_in_namespaces`` runs rank r of a scenario (``tests/worker.py``) in namespace r
 with ``ip netns exec``, the rendezvous at rank 0's address; ``start_in`` runs any
-command in one (tests/integration/test_multihost.py runs torchrun so).  Used by
+command in one (tests/integration/test_multihost.py runs torchrun so), and
+``Followed`` reads such a command's output line by line as it comes, so that a test
+can wait for a line (bounded) while the command runs.  Used by
 tests/integration/test_namespaces.py, test_partition.py and test_multihost.py.
 """
 
@@ -27,11 +29,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
 import pytest
 
@@ -153,7 +156,92 @@ def start_in(
     )
 
 
-def finish(procs: list[subprocess.Popen[str]], timeout: float = JOB_TIMEOUT) -> list[Worker]:
+class Line(NamedTuple):
+    """A line of a :class:`Followed` process's output, and when it arrived."""
+
+    at: float  # time.monotonic() when it was read
+    stream: str  # "stdout" or "stderr"
+    text: str  # without its newline
+
+
+class Followed:
+    """A process from :func:`start_in` whose stdout and stderr are read as they come, a
+    thread each, every line kept with the time it arrived: a test can wait for a line
+    (:meth:`wait_for`, bounded) while the process runs, and time what happened.
+    :func:`finish` takes it as it takes the process."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.lines: list[Line] = []
+        self._arrived = threading.Condition()
+        self._readers = [
+            threading.Thread(target=self._read, args=(stream, pipe), daemon=True)
+            for stream, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr))
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def _read(self, stream: str, pipe: IO[str] | None) -> None:
+        assert pipe is not None  # start_in pipes both
+        for text in pipe:
+            with self._arrived:
+                self.lines.append(Line(time.monotonic(), stream, text.rstrip("\n")))
+                self._arrived.notify_all()
+        with self._arrived:
+            self._arrived.notify_all()  # an output closed: a waiter may give up now
+
+    def _ended(self) -> bool:
+        return not any(reader.is_alive() for reader in self._readers)
+
+    def wait_for(self, stream: str, part: str, timeout: float, after: float = 0.0) -> Line:
+        """The first line of ``stream`` that contains ``part`` (and arrived after
+        ``after``), waiting for it at most ``timeout`` seconds; fails the test, with the
+        output so far, if none comes by then or the output ends first."""
+        deadline = time.monotonic() + timeout
+        with self._arrived:
+            while True:
+                for line in self.lines:
+                    if line.stream == stream and part in line.text and line.at > after:
+                        return line
+                left = deadline - time.monotonic()
+                if left <= 0 or self._ended():
+                    why = "its output ended" if self._ended() else f"{timeout:.0f}s passed"
+                    raise AssertionError(f"no {part!r} on {stream}; {why}:\n{self.output()}")
+                self._arrived.wait(left)
+
+    def text(self, stream: str) -> str:
+        with self._arrived:
+            return "".join(f"{line.text}\n" for line in self.lines if line.stream == stream)
+
+    def output(self) -> str:
+        return f"stdout:\n{self.text('stdout')}\nstderr:\n{self.text('stderr')}"
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """As ``Popen.communicate``: wait for the process to exit and its output to end
+        (``subprocess.TimeoutExpired`` after ``timeout`` seconds); all it wrote."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.proc.wait(timeout)
+        for reader in self._readers:
+            reader.join(None if deadline is None else max(deadline - time.monotonic(), 0))
+        if not self._ended():  # a child of it still holds the output open
+            raise subprocess.TimeoutExpired(self.proc.args, timeout or 0.0)
+        return self.text("stdout"), self.text("stderr")
+
+
+def finish(
+    procs: Sequence[subprocess.Popen[str] | Followed], timeout: float = JOB_TIMEOUT
+) -> list[Worker]:
     """Wait for every process, ``timeout`` seconds for all together; one still running
     then is killed with its process group (what it started too).  Fails unless all
     exit 0; returns them as ``Worker``s, by position."""
@@ -164,21 +252,26 @@ def finish(procs: list[subprocess.Popen[str]], timeout: float = JOB_TIMEOUT) -> 
             try:
                 out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
-                _kill_group(proc)
+                kill_group(proc)
                 out, err = proc.communicate(timeout=IP_TIMEOUT)
                 err += f"\n[killed: the job overran {timeout:.0f}s]"
             workers.append(Worker(rank, proc.returncode, out, err))
     finally:
-        for proc in procs:
-            if proc.poll() is None:  # not waited for: a failure above
-                _kill_group(proc)
-                proc.communicate(timeout=IP_TIMEOUT)
+        stop(procs)  # those not waited for: a failure above
     for worker in workers:
         assert worker.returncode == 0, "\n".join(w.describe() for w in workers)
     return workers
 
 
-def _kill_group(proc: subprocess.Popen[str]) -> None:
+def stop(procs: Sequence[subprocess.Popen[str] | Followed]) -> None:
+    """Kill each process still running, with its process group, and reap it."""
+    for proc in procs:
+        if proc.poll() is None:
+            kill_group(proc)
+            proc.communicate(timeout=IP_TIMEOUT)
+
+
+def kill_group(proc: subprocess.Popen[str] | Followed) -> None:
     """SIGKILL ``proc``'s process group (it leads one: ``start_new_session``)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
