@@ -478,7 +478,7 @@ class RpcAgent:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._segments is not None:
             self._segments.close()
-        self._storage.clear()
+        self._storage.close()
         self.state = Lifecycle.CLOSED
 
     # -- outgoing calls ------------------------------------------------------------

@@ -114,6 +114,8 @@ _libc.mmap.argtypes = [
     ctypes.c_long,
 ]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MADV_POPULATE_WRITE: Final = 23  # Linux 5.14 and later
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _FD_BITS = 32
 
@@ -143,6 +145,13 @@ class _Mapping:
         array = (ctypes.c_char * nbytes).from_address(self.address)
         array._owners = (self, lease)  # type: ignore[attr-defined]
         return memoryview(array).cast("B")
+
+    def populate(self, offset: int, nbytes: int) -> bool:
+        """Fault in (writable) the pages of ``nbytes`` from ``offset``, leaving what they
+        hold as it is, in one system call and without the GIL: False where the kernel
+        cannot (older than 5.14, or out of memory: the copy will fault them itself)."""
+        done: int = _libc.madvise(self.address + offset, nbytes, _MADV_POPULATE_WRITE)
+        return done == 0
 
     def __del__(self) -> None:
         _libc.munmap(self.address, self.nbytes)

@@ -22,6 +22,14 @@ oldest first, once idle for ``idle_grace``, except the one returned last (a
 repeated transfer keeps its warm mapping); unmapping happens on the housekeeping
 thread.  A mapping is reused for a buffer it holds with at most 25% to spare.
 Smaller buffers come from ``small`` (fresh tensor storage: malloc keeps those warm).
+
+A new mapping is faulted in ahead of the socket by the pool's prefault thread
+(``MADV_POPULATE_WRITE``, ``PREFAULT_PIECE`` at a time from the front, while the
+bytes arrive behind it): a page faulted in bulk there costs less than one faulted
+inside ``recv``, and the two run on two cores (a raw 400 MB receipt over loopback
+TCP into a fresh mapping: 385 ms alone, 156 ms with the thread running ahead;
+docs/architecture.md, "TCP between hosts").  It only maps pages: what the socket
+has already written stays as it is.
 """
 
 from __future__ import annotations
@@ -34,11 +42,13 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Final
 
-from asyncrpc.transport.housekeeping import IdleCache, housekeeper, schedule_trim
+from asyncrpc.transport.housekeeping import Copiers, IdleCache, housekeeper, schedule_trim
 from asyncrpc.transport.shm import DEFAULT_MAX_IDLE, IDLE_GRACE, _Lease, _Mapping
 
 POOLED_MIN: Final = 1 << 20
 """Bytes.  Smaller received buffers are fresh storage (malloc reuses their pages)."""
+PREFAULT_PIECE: Final = 4 << 20
+"""Bytes faulted in by one system call of the prefault thread."""
 Allocation = tuple[Any, memoryview]
 
 
@@ -59,6 +69,7 @@ class StoragePool:
         self._lock = threading.RLock()  # a lease may end on any thread, even inside ours
         self.reused = 0  # allocations served from an idle mapping
         self.created = 0
+        self._prefaulter = Copiers(1, "asyncrpc-prefault")
 
     @property
     def idle_bytes(self) -> int:
@@ -84,6 +95,7 @@ class StoragePool:
         mapping = self._take_idle(nbytes)
         if mapping is None:
             mapping = _Mapping(-1, nbytes, populate=False, private=True)
+            self._prefaulter.submit(functools.partial(_prefault, mapping))
             self.created += 1
         else:
             self.reused += 1
@@ -96,6 +108,11 @@ class StoragePool:
         with self._lock:
             dropped = self._idle.clear()
         housekeeper.drop(dropped)
+
+    def close(self) -> None:
+        """Drop every idle mapping and end the prefault thread (after its jobs)."""
+        self.clear()
+        self._prefaulter.shutdown()
 
     def trim(self) -> None:
         """Drop idle mappings beyond ``max_idle_bytes`` whose grace period is over."""
@@ -122,6 +139,13 @@ class StoragePool:
             dropped, due = pool._idle.expired(now)
         housekeeper.drop(dropped)
         schedule_trim(pool, due)
+
+
+def _prefault(mapping: _Mapping) -> None:
+    """Fault ``mapping`` in from the front, a piece at a time, until done or refused."""
+    for offset in range(0, mapping.nbytes, PREFAULT_PIECE):
+        if not mapping.populate(offset, min(PREFAULT_PIECE, mapping.nbytes - offset)):
+            return
 
 
 def _nbytes(mapping: _Mapping) -> int:

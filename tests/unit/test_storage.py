@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import mmap
 import time
 
 import torch
 
 from asyncrpc.serde import allocate_tensor_storage
 from asyncrpc.serde.tensors import load_tensor
-from asyncrpc.transport.storage import StoragePool
+from asyncrpc.transport.storage import PREFAULT_PIECE, StoragePool
 
 MB = 1 << 20
 
@@ -68,3 +70,28 @@ def test_idle_memory_is_bounded_but_the_newest_stays() -> None:
     assert pool.idle_bytes == 4 * MB  # the one returned last
     pool.clear()
     assert pool.idle_bytes == 0
+
+
+def resident_pages(view: memoryview) -> int:
+    """How many pages of ``view`` (page-aligned, as a mapping's) are in memory."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    pages = -(-len(view) // mmap.PAGESIZE)
+    flags = ctypes.create_string_buffer(pages)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    assert libc.mincore(address, len(view), flags) == 0, ctypes.get_errno()
+    return sum(byte & 1 for byte in flags.raw)
+
+
+def test_a_new_mapping_is_faulted_in_ahead_of_the_bytes_keeping_what_they_wrote() -> None:
+    pool = StoragePool(allocate_tensor_storage)
+    nbytes = 3 * PREFAULT_PIECE + mmap.PAGESIZE  # a last piece shorter than the others
+    _, view = pool.allocate(nbytes)
+    view[: 2 * MB] = b"\x07" * (2 * MB)  # the socket writes while the thread faults
+    pages = nbytes // mmap.PAGESIZE
+    deadline = time.monotonic() + 10
+    while resident_pages(view) < pages:  # the prefault thread is not done yet
+        assert time.monotonic() < deadline, f"{resident_pages(view)} of {pages} pages in"
+        time.sleep(0.001)
+    assert view[: 2 * MB] == b"\x07" * (2 * MB) and view[2 * MB :] == bytes(nbytes - 2 * MB)
+    pool.close()
