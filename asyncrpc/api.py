@@ -120,7 +120,8 @@ async def init_rpc(
     worker's maps are checked against every other's devices here (``ValueError``).
     Between processes of one host, CUDA tensors travel by CUDA IPC (unless
     ``shared_memory=False``), else through pinned host memory; see docs/cuda.md.
-    Returns once every worker has joined.
+    Returns once every worker has joined; what exists then is left out of the garbage
+    collector's full collections until ``shutdown`` (``ASYNCRPC_GC_FREEZE=0``: not).
     """
     running = current_agent()
     if running is not None and running.state is not Lifecycle.CLOSED:
