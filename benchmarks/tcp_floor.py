@@ -8,6 +8,9 @@ every message in a fresh ``torch.empty`` (as both frameworks do):
 * ``blocking sockets``: ``sendall``/``recv_into`` on both sides (no event loop);
 * ``blocking reused``: the same into one buffer per side allocated once (no page
   faults of fresh memory: what fresh storage costs is the difference);
+* ``2 streams reused``, ``4 streams reused``: the same, each payload striped over 2 or
+  4 connections, one thread per connection on each side (what striping, as TensorPipe
+  can do it, would buy on this path);
 * ``uvloop protocols``: both sides run uvloop with the buffer sizes asyncrpc uses (a
   ``BufferedProtocol`` whose ``get_buffer`` hands out the rest of the destination, one
   ``write`` of the whole payload, ``set_write_buffer_limits(high=4 MiB)``, TCP_NODELAY);
@@ -36,6 +39,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -116,6 +120,60 @@ def blocking_client(port: int, nbytes: int, echoes: int, reuse: bool) -> list[fl
         recv_exactly(sock, view)
         times.append(time.perf_counter() - start)
     sock.close()
+    return times[1:]
+
+
+def streams_of(kind: str) -> int:
+    """How many connections a striped kind ("2 streams reused") splits each payload over."""
+    return int(kind.split(maxsplit=1)[0])
+
+
+def striped_server(sock: socket.socket, nbytes: int, streams: int) -> None:
+    """Each of ``streams`` connections echoes its share of every payload, in a thread of
+    its own, into a buffer reused per connection."""
+    conns = [tune(sock.accept()[0]) for _ in range(streams)]
+    threads = [
+        threading.Thread(target=_echo_share, args=(conn, share))
+        for conn, share in zip(conns, shares(nbytes, streams), strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def _echo_share(conn: socket.socket, nbytes: int) -> None:
+    _, view = fresh(nbytes)
+    while recv_exactly(conn, view):
+        conn.sendall(view)
+
+
+def shares(nbytes: int, streams: int) -> list[int]:
+    return [nbytes // streams + (i < nbytes % streams) for i in range(streams)]
+
+
+def striped_client(port: int, nbytes: int, echoes: int, streams: int) -> list[float]:
+    """Each echo sends a payload cut in ``streams`` shares, one per connection and
+    thread, and ends when every share is back."""
+    socks = [connect_when_listening(port) for _ in range(streams)]
+    parts = [(fresh(n)[1], fresh(n)[1]) for n in shares(nbytes, streams)]
+
+    def one(i: int) -> None:
+        data, view = parts[i]
+        socks[i].sendall(data)
+        recv_exactly(socks[i], view)
+
+    times = []
+    for _ in range(echoes + 1):
+        start = time.perf_counter()
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        times.append(time.perf_counter() - start)
+    for sock in socks:
+        sock.close()
     return times[1:]
 
 
@@ -264,6 +322,8 @@ def serve(kind: str, port: int, nbytes: int) -> None:
         uvloop.run(rpc_server(port))
     elif kind == "uvloop protocols":
         loop_server(listen(port), nbytes)
+    elif kind in STRIPED:
+        striped_server(listen(port), nbytes, streams_of(kind))
     else:
         blocking_server(listen(port), nbytes, reuse=kind == "blocking reused")
 
@@ -274,6 +334,8 @@ def drive(kind: str, port: int, nbytes: int, echoes: int) -> list[float]:
         return uvloop.run(rpc_client(port, nbytes, echoes))
     if kind == "uvloop protocols":
         return uvloop.run(loop_client(port, nbytes, echoes))
+    if kind in STRIPED:
+        return striped_client(port, nbytes, echoes, streams_of(kind))
     return blocking_client(port, nbytes, echoes, reuse=kind == "blocking reused")
 
 
@@ -300,7 +362,10 @@ def one_round(kind: str, nbytes: int, echoes: int, veth: Veth = None) -> list[fl
     return [float(t) for t in out.split()]
 
 
-KINDS = ("blocking sockets", "blocking reused", "uvloop protocols", "asyncrpc tcp")
+STRIPED = ("2 streams reused", "4 streams reused")
+"""Blocking reused buffers, each payload striped over several connections and threads
+(as TensorPipe can): what striping would buy on this path."""
+KINDS = ("blocking sockets", "blocking reused", *STRIPED, "uvloop protocols", "asyncrpc tcp")
 
 
 def play(role: str, kind: str, port: str, nbytes: str, echoes: str = "0") -> None:
