@@ -209,7 +209,10 @@ class Runner:
             return future
         if asyncio.isfuture(awaitable):
             # Callers often share one future (a batch): cancelling this call's view of
-            # it (its caller timed out) must not cancel it for the others.
+            # it (its caller timed out, or its link was lost) must not cancel it for
+            # the others.  Nor, once this call is gone, may its error go unseen
+            # ("exception was never retrieved"): the call reported, or dropped, it.
+            awaitable.add_done_callback(_seen)
             return asyncio.shield(awaitable)
         raise TypeError(
             f"async_execution function {name} returned "
@@ -239,6 +242,12 @@ def _complete_from(done: Done, future: asyncio.Future[Any]) -> None:
         done(False, error)
     else:
         done(True, future.result())
+
+
+def _seen(future: asyncio.Future[Any]) -> None:
+    """Mark an outcome as retrieved: the call it belongs to reports it (or is gone)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _copy_torch_future(source: torch._C.Future[Any], target: asyncio.Future[Any]) -> None:

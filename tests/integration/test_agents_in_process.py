@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import operator
 import os
 import socket
@@ -188,6 +189,32 @@ async def test_one_callers_timeout_does_not_cancel_a_shared_batch(
     assert Shared.future is not None and not Shared.future.cancelled()
     Shared.future.set_result("batch done")
     assert await patient == "batch done"
+
+
+async def test_a_call_given_up_leaves_no_unseen_error_behind(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    """The caller gave up (a timeout); the future its call waited on fails later. The
+    call is gone, so its error must not surface as asyncio's "exception was never
+    retrieved" (before: logged once the future was collected)."""
+    a, b = pair
+    Shared.future = None
+    with pytest.raises(RPCTimeoutError):
+        await a.rpc_async("b", join_batch, timeout=0.1)
+    while b.debug_info()["running_incoming_calls"]:
+        await asyncio.sleep(0.01)  # until its CANCEL has been handled
+    unseen: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _, context: unseen.append(context))
+    try:
+        assert Shared.future is not None
+        Shared.future.set_exception(ValueError("the batch failed"))
+        await asyncio.sleep(0)  # its callbacks run
+        Shared.future = None
+        gc.collect()
+    finally:
+        loop.set_exception_handler(None)
+    assert unseen == []
 
 
 async def test_cancellation_inside_the_callee_is_reported(pair: tuple[RpcAgent, RpcAgent]) -> None:
