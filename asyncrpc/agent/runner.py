@@ -212,7 +212,7 @@ class Runner:
             # it (its caller timed out, or its link was lost) must not cancel it for
             # the others.  Nor, once this call is gone, may its error go unseen
             # ("exception was never retrieved"): the call reported, or dropped, it.
-            awaitable.add_done_callback(_seen)
+            awaitable.add_done_callback(mark_retrieved)
             return asyncio.shield(awaitable)
         raise TypeError(
             f"async_execution function {name} returned "
@@ -244,8 +244,9 @@ def _complete_from(done: Done, future: asyncio.Future[Any]) -> None:
         done(True, future.result())
 
 
-def _seen(future: asyncio.Future[Any]) -> None:
-    """Mark an outcome as retrieved: the call it belongs to reports it (or is gone)."""
+def mark_retrieved(future: asyncio.Future[Any]) -> None:
+    """Mark an outcome nobody waits for any more as seen (whoever wanted it has it, or
+    is gone), so that asyncio does not log its error as never retrieved."""
     if not future.cancelled():
         future.exception()
 

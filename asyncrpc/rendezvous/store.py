@@ -86,13 +86,18 @@ def open_job(store: Store, rank: int, world_size: int) -> Store:
     who joined: a rank that finds the job open without its token has found an older
     job (its rank 0 gone) and waits for the next one."""
     job = _open(store, world_size) if rank == 0 else _join(store, rank, world_size)
-    return dist.PrefixStore(f"{PREFIX}/job{job}", store)  # type: ignore[attr-defined]
+    return dist.PrefixStore(_scope(job), store)  # type: ignore[attr-defined]
+
+
+def _scope(job: int) -> str:
+    """Where job ``job``'s keys live in the store."""
+    return f"{PREFIX}/job{job}"
 
 
 def _open(store: Store, world_size: int) -> int:
     """Rank 0: a new job number; returns once every rank has joined it."""
     job = int(store.add(JOBS, 1))
-    scope = f"{PREFIX}/job{job}"
+    scope = _scope(job)
     store.set(f"{scope}/created", b"")
     store.set(f"{scope}/joined/0", b"")
     _wait_for_ranks(store, f"{scope}/joined", world_size, "joined", 0)
@@ -107,11 +112,10 @@ def _join(store: Store, rank: int, world_size: int) -> int:
     deadline = time.monotonic() + store.timeout.total_seconds()
     stale = 0  # every job up to this one is not ours
     while True:
-        scope = f"{PREFIX}/job{stale + 1}"
+        scope = _scope(stale + 1)
         _wait_until(store, f"{scope}/created", deadline, scope, world_size)
         job = int(store.add(JOBS, 0))  # the newest (a job opened after ours began is not)
-        scope = f"{PREFIX}/job{job}"
-        store.set(f"{scope}/joined/{rank}", token)
+        store.set(f"{_scope(job)}/joined/{rank}", token)
         tokens = _tokens_when_open(store, job, deadline, world_size)
         if tokens is not None and rank < len(tokens) and tokens[rank] == token:
             return job
@@ -121,7 +125,7 @@ def _join(store: Store, rank: int, world_size: int) -> int:
 def _tokens_when_open(store: Store, job: int, deadline: float, world_size: int) -> Any:
     """The tokens job ``job`` opened with, or None if a newer job began first (rank 0
     of ``job`` is gone)."""
-    scope = f"{PREFIX}/job{job}"
+    scope = _scope(job)
     while True:
         try:
             _wait_until(store, f"{scope}/open", deadline, scope, world_size, STALE_POLL)
@@ -157,12 +161,8 @@ def _wait_until(  # noqa: PLR0917 (a helper of _join, in its thread)
     except RuntimeError:  # a timeout (DistStoreError from a TCPStore)
         if slice_ is not None and time.monotonic() < deadline:
             raise _NotYetError from None
-        joined = [store.check([f"{scope}/joined/{r}"]) for r in range(world_size)]
-        missing = [r for r, done in enumerate(joined) if not done]
-        raise RPCTimeoutError(
-            f"rendezvous: rank(s) {missing} of {world_size} have not joined "
-            f"within {store.timeout.total_seconds():g}s"
-        ) from None
+        joined = f"{scope}/joined"
+        raise _missing_ranks(store, joined, world_size, "joined", store.timeout) from None
 
 
 def master_address(init_method: str) -> tuple[str, int]:
@@ -317,8 +317,15 @@ def _wait_for_ranks(store: Store, prefix: str, world_size: int, what: str, rank:
     except dist.DistNetworkError:
         raise
     except RuntimeError:  # a timeout: DistStoreError from a TCPStore, plain from a FileStore
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        raise RPCTimeoutError(
-            f"rendezvous: rank(s) {missing} of {world_size} have not {what} "
-            f"within {wait.total_seconds():g}s"
-        ) from None
+        raise _missing_ranks(store, prefix, world_size, what, wait) from None
+
+
+def _missing_ranks(
+    store: Store, prefix: str, world_size: int, what: str, waited: timedelta
+) -> RPCTimeoutError:
+    """The timeout that names the ranks which have not set ``prefix/<rank>``."""
+    missing = [r for r in range(world_size) if not store.check([f"{prefix}/{r}"])]
+    return RPCTimeoutError(
+        f"rendezvous: rank(s) {missing} of {world_size} have not {what} "
+        f"within {waited.total_seconds():g}s"
+    )

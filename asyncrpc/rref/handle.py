@@ -33,6 +33,7 @@ from asyncrpc.agent import (
     start_after,
 )
 from asyncrpc.agent.dispatch import function_name
+from asyncrpc.agent.runner import mark_retrieved
 from asyncrpc.errors import (
     AgentStateError,
     AsyncRPCError,
@@ -190,7 +191,7 @@ class RRef(Generic[T]):
             elif not done.cancelled() and done.exception() is not None:
                 first.set_exception(done.exception())  # type: ignore[arg-type]
                 call.remove_done_callback(copy)  # a late reply must not keep `first` alive
-                call.add_done_callback(_retrieved)  # nor its error be logged as unseen
+                call.add_done_callback(mark_retrieved)  # nor its error be logged as unseen
 
         call.add_done_callback(copy)
         creation.add_done_callback(copy)
@@ -243,12 +244,6 @@ class RRef(Generic[T]):
         call = _MethodCall(self, method)
         sent = self._context.agent.rpc_async(self._owner, call, args, kwargs, timeout)
         return self._unless_creation_fails(sent)
-
-
-def _retrieved(future: asyncio.Future[Any]) -> None:
-    """Mark an outcome nobody waits for any more as seen (its error was raised already)."""
-    if not future.cancelled():
-        future.exception()
 
 
 _backward: Callable[[RRef[Any], int], Awaitable[None]] | None = None

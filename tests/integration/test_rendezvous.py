@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from asyncrpc.rendezvous import create_store
-from tests.cluster import ROOT, free_port, run_job
+from tests.cluster import ROOT, free_port, run_job, run_script
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -161,17 +161,13 @@ def test_torchrun_restarting_its_workers_meets_afresh_on_its_own_store() -> None
     """torchrun keeps one store across restarts of its workers; the keys the failed
     attempt left there (its dead rank's included) must not be read as the next one's
     (before: ``worker name 'w1' is not unique``, or records of dead workers)."""
-    command = [
-        *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+    done = run_script(
+        *("-m", "torch.distributed.run", "--standalone"),
         *("--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2"),
         "tests/restart_worker.py",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90, check=False
+        timeout=90,
     )
     out = done.stdout + done.stderr
-    assert done.returncode == 0, out
     assert "attempt 0: rank 1 joined" in out, out  # the first attempt met, then failed
     results = sorted(re.findall(r"RESULT attempt=\d+ rank=\d+ peer=w\d+", done.stdout))
     assert results == ["RESULT attempt=1 rank=0 peer=w1", "RESULT attempt=1 rank=1 peer=w0"], out
