@@ -42,7 +42,12 @@ from asyncrpc.serde.devices import (
     normalize_maps,
     validate,
 )
-from asyncrpc.transport import DEFAULT_BUDGET, DEFAULT_MAX_IDLE, DEFAULT_SILENT_PEER_TIMEOUT
+from asyncrpc.transport import (
+    DEFAULT_BUDGET,
+    DEFAULT_MAX_IDLE,
+    DEFAULT_SILENT_PEER_TIMEOUT,
+    DEFAULT_STRIPES,
+)
 from asyncrpc.wire import DEFAULT_MAX_FRAME_SIZE
 
 log = logging.getLogger("asyncrpc")
@@ -73,6 +78,7 @@ async def init_rpc(
     busy_poll: float | None = None,
     handshake_timeout: float = 10.0,
     silent_peer_timeout: float = DEFAULT_SILENT_PEER_TIMEOUT,
+    tcp_stripes: int = DEFAULT_STRIPES,
     metrics_port: int | None = None,
     dashboard: bool | None = None,
     device_maps: Mapping[str, Mapping[Any, Any]] | None = None,
@@ -108,6 +114,10 @@ async def init_rpc(
     partition, or its host died; a busy process still answers) before its link is
     dropped and the calls waiting on it fail with ``PeerLostError``; until a dial
     to it succeeds again, dials to it then wait at most 1 s (see docs/deploy.md).
+    ``tcp_stripes`` (0 to disable) is how many side connections a tcp link without
+    shared memory opens, to its peer's second, ephemeral port: buffers of 1 MiB or
+    more cross them on threads of their own, several cores at once (where they cannot
+    be made, the link carries everything; docs/deploy.md).
     ``metrics_port`` (or the environment variable ``ASYNCRPC_METRICS_PORT``) serves
     ``/metrics`` (Prometheus) and ``/debug`` (JSON) over HTTP on the listen host, at
     ``metrics_port + rank`` (0: a free port); ``dashboard`` (default: on rank 0 when
@@ -151,6 +161,7 @@ async def init_rpc(
         busy_poll=busy_poll,
         handshake_timeout=handshake_timeout,
         silent_peer_timeout=silent_peer_timeout,
+        tcp_stripes=tcp_stripes,
         devices=normalize_devices(devices),
         device_maps=normalize_maps(device_maps),
     )

@@ -15,7 +15,8 @@ every message in a fresh ``torch.empty`` (as both frameworks do):
   ``BufferedProtocol`` whose ``get_buffer`` hands out the rest of the destination, one
   ``write`` of the whole payload, ``set_write_buffer_limits(high=4 MiB)``, TCP_NODELAY);
 * ``asyncrpc tcp``: ``rpc_async(echo)`` between two asyncrpc workers with
-  ``transports=("tcp",), shared_memory=False``.
+  ``transports=("tcp",), shared_memory=False`` (striped over its default side
+  connections); ``asyncrpc one stream``: the same with ``tcp_stripes=0``.
 
 Each round runs every kind once, alternating, in a fresh pair of processes: one
 warm-up echo, then ``--echoes`` timed ones, of which the round keeps the median.
@@ -254,8 +255,9 @@ def echo(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-async def rpc_worker(name: str, rank: int, port: int) -> None:
+async def rpc_worker(name: str, rank: int, port: int, stripes: int) -> None:
     import asyncrpc
+    from asyncrpc.transport import DEFAULT_STRIPES
 
     await asyncrpc.init_rpc(
         name,
@@ -264,20 +266,21 @@ async def rpc_worker(name: str, rank: int, port: int) -> None:
         init_method=f"tcp://{hosts()[0]}:{port}",
         transports=("tcp",),
         shared_memory=False,
+        tcp_stripes=DEFAULT_STRIPES if stripes < 0 else stripes,
     )
 
 
-async def rpc_server(port: int) -> None:
+async def rpc_server(port: int, stripes: int) -> None:
     import asyncrpc
 
-    await rpc_worker("server", 1, port)
+    await rpc_worker("server", 1, port, stripes)
     await asyncrpc.shutdown(timeout=600)
 
 
-async def rpc_client(port: int, nbytes: int, echoes: int) -> list[float]:
+async def rpc_client(port: int, nbytes: int, echoes: int, stripes: int) -> list[float]:
     import asyncrpc
 
-    await rpc_worker("client", 0, port)
+    await rpc_worker("client", 0, port, stripes)
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     times = []
     for _ in range(echoes + 1):
@@ -288,7 +291,8 @@ async def rpc_client(port: int, nbytes: int, echoes: int) -> list[float]:
             raise AssertionError("the echo came back different")
         del result
     moved = asyncrpc.get_debug_info()["bytes"]
-    if set(moved) != {"tcp"} or moved["tcp"]["received"] < nbytes * (echoes + 1):
+    received = sum(moved.get(kind, {}).get("received", 0) for kind in ("tcp", "tcp_stripes"))
+    if not set(moved) <= {"tcp", "tcp_stripes"} or received < nbytes * (echoes + 1):
         raise AssertionError(f"not all through tcp: {moved}")
     await asyncrpc.shutdown()
     return times[1:]
@@ -318,8 +322,8 @@ def connect_when_listening(port: int) -> socket.socket:
 
 def serve(kind: str, port: int, nbytes: int) -> None:
     """The echoing side of one round (a process of its own)."""
-    if kind == "asyncrpc tcp":
-        uvloop.run(rpc_server(port))
+    if kind in RPC:
+        uvloop.run(rpc_server(port, RPC[kind]))
     elif kind == "uvloop protocols":
         loop_server(listen(port), nbytes)
     elif kind in STRIPED:
@@ -330,8 +334,8 @@ def serve(kind: str, port: int, nbytes: int) -> None:
 
 def drive(kind: str, port: int, nbytes: int, echoes: int) -> list[float]:
     """The timing side of one round (a process of its own): seconds per echo."""
-    if kind == "asyncrpc tcp":
-        return uvloop.run(rpc_client(port, nbytes, echoes))
+    if kind in RPC:
+        return uvloop.run(rpc_client(port, nbytes, echoes, RPC[kind]))
     if kind == "uvloop protocols":
         return uvloop.run(loop_client(port, nbytes, echoes))
     if kind in STRIPED:
@@ -365,7 +369,9 @@ def one_round(kind: str, nbytes: int, echoes: int, veth: Veth = None) -> list[fl
 STRIPED = ("2 streams reused", "4 streams reused")
 """Blocking reused buffers, each payload striped over several connections and threads
 (as TensorPipe can): what striping would buy on this path."""
-KINDS = ("blocking sockets", "blocking reused", *STRIPED, "uvloop protocols", "asyncrpc tcp")
+RPC = {"asyncrpc tcp": -1, "asyncrpc one stream": 0}
+"""asyncrpc's kinds, and their ``tcp_stripes`` (-1: the default)."""
+KINDS = ("blocking sockets", "blocking reused", *STRIPED, "uvloop protocols", *RPC)
 
 
 def play(role: str, kind: str, port: str, nbytes: str, echoes: str = "0") -> None:

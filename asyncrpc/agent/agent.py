@@ -122,14 +122,18 @@ from asyncrpc.transport import (
     DEFAULT_BUDGET,
     DEFAULT_MAX_IDLE,
     DEFAULT_SILENT_PEER_TIMEOUT,
+    DEFAULT_STRIPES,
     KERNEL,
+    MAX_STRIPES,
     MEMORY,
     SCHEMES,
     Admission,
     Host,
     Link,
     SegmentPool,
+    StripeListener,
     dial,
+    host_of,
     listen,
     local_host,
     too_large,
@@ -182,6 +186,7 @@ class AgentOptions:
     busy_poll: float | None = None  # None: DEFAULT_BUSY_POLL while this host has a CPU each
     max_running_per_link: int = 4096
     max_pending_handshakes: int = 64  # inbound connections authenticating at once
+    tcp_stripes: int = DEFAULT_STRIPES  # side connections per tcp link (0: none)
     devices: tuple[str, ...] = ()  # CUDA devices this worker uses (empty: from the maps)
     device_maps: dict[str, DeviceMap] = field(default_factory=dict)  # normalised
 
@@ -195,6 +200,8 @@ class AgentOptions:
             raise ValueError("shared_memory_budget and shared_memory_idle must be >= 0")
         if self.silent_peer_timeout < 0 or self.redial_timeout <= 0:
             raise ValueError("silent_peer_timeout must be >= 0 and redial_timeout > 0")
+        if not 0 <= self.tcp_stripes <= MAX_STRIPES:
+            raise ValueError(f"tcp_stripes must be between 0 and {MAX_STRIPES}")
         unknown = [t for t in self.transports if t not in SCHEMES]
         if unknown or not self.transports:
             raise ValueError(
@@ -249,6 +256,7 @@ class RpcAgent:
         self._workers: dict[str, WorkerAddress] = {}
         self._by_rank: dict[int, WorkerAddress] = {}
         self._servers: list[asyncio.AbstractServer] = []
+        self._stripe_listener: StripeListener | None = None  # tcp links' side connections
         self._admission = Admission(options.max_pending_handshakes)
         self._links: dict[str, Link] = {}  # outgoing, by peer name
         self._routes = Routes(options.transports, self.host)  # how each peer is dialed
@@ -293,6 +301,12 @@ class RpcAgent:
                 ) from exc
             self._servers.append(server)
             addresses[scheme] = bound
+        if "tcp" in addresses and self.options.tcp_stripes:
+            self._stripe_listener = StripeListener(
+                host_of(addresses["tcp"]),
+                self.options.tcp_stripes,
+                timeout=self.options.handshake_timeout,
+            )
         self.address = WorkerAddress(self.info.name, self.info.id, self.identity.host, addresses)
         self.state = Lifecycle.LISTENING
         return self.address
@@ -465,6 +479,8 @@ class RpcAgent:
         self._shutdown.give_up()  # the barrier is over: no more reaching or telling
         for server in self._servers:
             server.close()
+        if self._stripe_listener is not None:
+            self._stripe_listener.close()
         closed = AgentStateError(f"worker {self.info.name!r} shut down")
         for call_id in list(self._pending):
             self._finish(call_id, error=closed)
@@ -810,6 +826,7 @@ class RpcAgent:
             max_mapped_bytes=self.options.shared_memory_budget,
             handshake_timeout=self.options.handshake_timeout,
             silence_timeout=self.options.silent_peer_timeout,
+            stripes=self._stripe_listener,
         )
 
     def _inbound_link(self) -> asyncio.BaseProtocol:
@@ -917,7 +934,7 @@ class RpcAgent:
     def _links_info(self) -> dict[str, dict[str, Any]]:
         """For each link we dialed: its transport and shared memory, and why."""
         return {
-            name: {**self._routes.why(name), **link.sharing}
+            name: {**self._routes.why(name), **link.sharing, **link.striping}
             for name, link in sorted(self._links.items())
         }
 
@@ -1016,6 +1033,7 @@ def _add_bytes(totals: dict[str, dict[str, int]], link: Link) -> None:
     for kind, sent, received in (
         (link.transport_kind, link.bytes_sent, link.bytes_received),
         ("shared_memory", 0, link.shared_bytes_received),  # (sent: the pool counts it)
+        ("tcp_stripes", *link.striped_bytes),
     ):
         if sent or received:
             counts = totals.setdefault(kind, {"sent": 0, "received": 0})

@@ -107,6 +107,14 @@ SCHEMES: dict[str, Scheme] = {
 }
 
 
+def host_of(address: str) -> str:
+    """The host of a ``tcp://host:port`` address (brackets of an IPv6 one removed)."""
+    scheme, rest = _split(address)
+    if scheme != "tcp":
+        raise ValueError(f"{address!r} is not a tcp address")
+    return _host_port(rest)[0]
+
+
 async def listen(address: str, factory: Factory) -> tuple[asyncio.AbstractServer, str]:
     """Serve ``address``; returns the server and the address peers should dial."""
     scheme, rest = _split(address)

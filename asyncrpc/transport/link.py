@@ -46,6 +46,14 @@ end.  When the transport's buffer passes its high-water mark (``pause_writing``)
 parts wait in the coalescer's outbox until ``resume_writing``; ``close`` writes
 them anyway (the transport buffers them and writes them before it closes).
 
+Striping (tcp links whose ends share no memory; :mod:`.stripes`): both ends offer side
+connections in the handshake, the dialer connects them, and a buffer of ``STRIPE_MIN``
+or more crosses them on threads, while its message, with an ``ExternalRef`` in its
+place, crosses the link.  A message that carries one waits in ``_queue`` while they are
+being connected, and goes inline if they fail (the dialer tells the listener with
+STRIPES); the receiver holds a message, and every later one, until its striped buffers
+are in (``_held``).  A side connection lost once in use loses the link.
+
 Receiving: complete frames are handed up at most ``FRAMES_PER_TURN`` per loop
 turn; while frames wait for a later turn (catching up), or while the owner has
 paused the link (``pause_reading``), the transport reads no more
@@ -100,6 +108,14 @@ from asyncrpc.transport.shm import (
     fill_all,
     open_probe,
 )
+from asyncrpc.transport.stripes import (
+    STRIPE_MIN,
+    STRIPES_SETUP_TIMEOUT,
+    StripedParts,
+    StripeListener,
+    Stripes,
+    is_striped,
+)
 from asyncrpc.wire import (
     HANDSHAKE_LIMITS,
     NEED_DATA,
@@ -111,6 +127,7 @@ from asyncrpc.wire import (
     Identity,
     Kind,
     Limits,
+    Role,
     encode_frame,
 )
 
@@ -171,6 +188,7 @@ class Link(asyncio.BufferedProtocol):
         max_mapped_bytes: int = DEFAULT_BUDGET,
         handshake_timeout: float = 10.0,
         silence_timeout: float = DEFAULT_SILENT_PEER_TIMEOUT,
+        stripes: StripeListener | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.handler = handler
@@ -183,6 +201,11 @@ class Link(asyncio.BufferedProtocol):
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._decoder = FrameDecoder(HANDSHAKE_LIMITS, allocate=allocate)
+        self._allocate = allocate
+        self._stripe_listener = stripes
+        self._stripes: Stripes | None = None  # side connections, once both ends offered them
+        self.stripes_why = "handshake not done"
+        self._held: deque[tuple[Frame, set[int]]] = deque()  # behind a striped buffer
         self._segments = segments
         self._lends = False  # the peer proved it maps our segments, and we have a pool
         self._takes = False  # we mapped the peer's probe: its segment references are good
@@ -195,6 +218,8 @@ class Link(asyncio.BufferedProtocol):
         self._writes = WriteCoalescer(clock, paused=True)  # until connection_made
         self._reads = ReadGate()
         self._segment_keys: dict[Kind, list[int]] = {}  # RELEASE and UNMAP, batched
+        self._handshake_timeout = handshake_timeout
+        self._stripes_timer: asyncio.TimerHandle | None = None  # bounds their setting up
         self._handshake_timer = self._loop.call_later(handshake_timeout, self._handshake_expired)
         self.silence_timeout = silence_timeout  # tcp only; 0: the kernel's defaults
         self.transport_kind = "?"  # "unix" or "tcp" once connected
@@ -249,6 +274,9 @@ class Link(asyncio.BufferedProtocol):
             detect_silence(sock, self.silence_timeout)
         if sock is not None:
             self.transport_kind = "unix" if sock.family == socket.AF_UNIX else "tcp"
+        if self.transport_kind == "tcp" and self._stripe_listener is not None:
+            listener = self._stripe_listener
+            self.handshake.offer_stripes(listener.port, listener.count)
         self._write_parts(self._writes.resume())
         for kind, meta in self.handshake.start():
             self.send(kind, meta)
@@ -337,7 +365,7 @@ class Link(asyncio.BufferedProtocol):
         self._check_size(kind, payload, buffers, function)
         pool = self._segments if self._lends_segments() else None
         if pool is None or not _has_large(buffers):
-            return encode_frame(kind, meta, payload, buffers, max_frame_size=self.max_send_size)
+            return self._encode_through_socket(kind, meta, payload, buffers)
         refs = [self._put(pool, b) for b in buffers]
         if self.closed:  # lost meanwhile (on the loop): what we were lent is nobody's
             pool.forget(self)
@@ -346,6 +374,34 @@ class Link(asyncio.BufferedProtocol):
         except BaseException:
             pool.release([r.key for r in refs if isinstance(r, ExternalRef)], self)
             raise
+
+    def _encode_through_socket(
+        self,
+        kind: int,
+        meta: dict[str, Any],
+        payload: bytes | memoryview,
+        buffers: Sequence[memoryview],
+    ) -> Parts:
+        """Parts for a message whose buffers do not go through shared memory: buffers of
+        ``STRIPE_MIN`` or more cross the side connections, if they are up or being
+        connected (``StripedParts``), the rest the link's stream."""
+        stripes = self._stripes
+        if stripes is None or stripes.closed or not _has(buffers, STRIPE_MIN):
+            return encode_frame(kind, meta, payload, buffers, max_frame_size=self.max_send_size)
+        refs: list[memoryview | ExternalRef] = []
+        striped: list[tuple[int, memoryview]] = []
+        for buffer in buffers:
+            if buffer.nbytes < STRIPE_MIN:
+                refs.append(buffer)
+                continue
+            key = stripes.next_key()
+            refs.append(ExternalRef(key, buffer.nbytes))
+            striped.append((key, buffer))
+        parts = encode_frame(kind, meta, payload, refs, max_frame_size=self.max_send_size)
+        inline = functools.partial(
+            encode_frame, kind, meta, payload, buffers, max_frame_size=self.max_send_size
+        )
+        return StripedParts(parts, striped, inline)
 
     def _put(self, pool: SegmentPool, buffer: memoryview) -> memoryview | ExternalRef:
         """A segment's reference for a large buffer, if the budget has room; else itself."""
@@ -368,9 +424,7 @@ class Link(asyncio.BufferedProtocol):
         if buffers and self._lends_segments() and _has_large(buffers) and not self.closed:
             self._send_through_segments(kind, meta, payload, buffers)
         else:
-            self.write(
-                encode_frame(kind, meta, payload, buffers, max_frame_size=self.max_send_size)
-            )
+            self.write(self._encode_through_socket(kind, meta, payload, buffers))
 
     def _lends_segments(self) -> bool:
         """Large buffers go through segments: the peer proved it maps ours, and this
@@ -469,6 +523,10 @@ class Link(asyncio.BufferedProtocol):
         if error is not None:
             queued.parts = self._copy_failed(fills, retry, error)
         queued.ready = True
+        self._write_ready()
+
+    def _write_ready(self) -> None:
+        """Write the queued messages that are ready, in order, up to the first that is not."""
         while self._queue and self._queue[0].ready:
             self._write_now(self._queue.popleft().parts)
         if self._close_when_sent and not self._queue:
@@ -484,7 +542,19 @@ class Link(asyncio.BufferedProtocol):
         return retry(max_frame_size=self.max_send_size)
 
     def write(self, parts: Parts) -> None:
-        """Send encoded parts, after any message still waiting for its segments."""
+        """Send encoded parts, after any message still waiting for its segments; the
+        striped buffers of ``StripedParts`` leave on the side connections now (or, while
+        those are being connected, the message waits in ``_queue`` until they are up, or
+        failed and it goes inline)."""
+        if isinstance(parts, StripedParts) and not self.closed:
+            stripes = self._stripes
+            if stripes is None or stripes.closed:
+                parts = parts.inline()
+            elif not stripes.ready:
+                self._queue.append(_Queued(parts, ready=False))
+                return
+            else:
+                stripes.send(parts.stripes)
         if self._queue and not self.closed:
             self._queue.append(_Queued(parts, ready=True))
         else:
@@ -566,6 +636,7 @@ class Link(asyncio.BufferedProtocol):
     def resume_reading(self) -> None:
         """Hand up the frames that waited (from the next loop turn on), then read again."""
         self._update_reading(self._reads.resume())
+        self._deliver_held()
         self._loop.call_soon(self._process_frames)
 
     # -- receiving -----------------------------------------------------------------
@@ -578,12 +649,20 @@ class Link(asyncio.BufferedProtocol):
                 self._segments.release(_keys(frame), self)
         elif frame.kind == Kind.UNMAP:
             self._mapper.forget(_keys(frame))
+        elif frame.kind == Kind.STRIPES:
+            self._unstriped(f"the peer could not connect them ({frame.meta.get('why')})")
         else:
-            self._resolve_external(frame)
-            self.handler.frame_received(self, frame)
+            waits = self._resolve_external(frame)
+            if waits or self._held:
+                self._held.append((frame, waits))
+            else:
+                self.handler.frame_received(self, frame)
 
     def _on_handshake_frame(self, frame: Frame) -> None:
-        for kind, meta in self.handshake.receive(frame.kind, frame.meta):
+        outgoing = self.handshake.receive(frame.kind, frame.meta)
+        if self.handshake.established:
+            self._start_stripes()  # before WELCOME leaves: side connections may follow it
+        for kind, meta in outgoing:
             self.send(kind, meta)
         if self.handshake.established:
             self._established()
@@ -606,6 +685,136 @@ class Link(asyncio.BufferedProtocol):
         self._lends = self.handshake.peer_maps is None and self._segments is not None
         self._takes = self.handshake.maps_peer is None
 
+    # -- side connections (transport.stripes) --------------------------------------
+
+    @property
+    def striping(self) -> dict[str, Any]:
+        """How many side connections carry our large buffers, and why (not)."""
+        stripes = self._stripes
+        count = stripes.count if stripes is not None and stripes.ready else 0
+        return {"stripes": count, "stripes_why": self.stripes_why}
+
+    @property
+    def striped_bytes(self) -> tuple[int, int]:
+        """Bytes sent and received on side connections."""
+        stripes = self._stripes
+        return (0, 0) if stripes is None else (stripes.bytes_sent, stripes.bytes_received)
+
+    def _start_stripes(self) -> None:
+        """Set up side connections if both ends offered them and share no memory (both
+        ends judge that the same way): the dialer dials, the listener expects them."""
+        listener, theirs = self._stripe_listener, self.handshake.peer_stripes
+        if self.transport_kind != "tcp":
+            self.stripes_why = "not a tcp link"
+            return
+        if listener is None or self.handshake.stripes is None:
+            self.stripes_why = "tcp_stripes=0 here"
+            return
+        if theirs is None:
+            self.stripes_why = "the peer offers none"
+            return
+        if self.handshake.peer_maps is None or self.handshake.maps_peer is None:
+            self.stripes_why = "shared memory carries large buffers"
+            return
+        port, count = theirs
+        stripes = self._stripes = Stripes(
+            min(count, listener.count),
+            self,
+            self._loop.call_soon_threadsafe,
+            prove=self.handshake.stripe_proof,
+            allocate=self._allocate,
+            max_bytes=self.max_frame_size,
+            silence_timeout=self.silence_timeout,
+            name=self.peer.name,
+        )
+        self.stripes_why = "connecting"
+        bound = self._stripes_bound
+        self._stripes_timer = self._loop.call_later(bound, self._stripes_expired)
+        if self.handshake.role is Role.DIALER:
+            assert self._transport is not None
+            host = self._transport.get_extra_info("peername")[0]
+            stripes.dial(host, port, self.handshake.link_id, timeout=bound)
+        else:
+            listener.expect(self.handshake.link_id, stripes)
+
+    def stripes_ready(self) -> None:
+        self.stripes_why = "both ends offered them"
+        self._settle_stripes()
+
+    def stripe_arrived(self, key: int) -> None:
+        """Every piece of striped buffer ``key`` is in: deliver what waited for it."""
+        for _, waits in self._held:
+            waits.discard(key)
+        self._deliver_held()
+
+    def stripes_sent(self) -> None:
+        """Every piece handed to the side connections has left."""
+        if self._close_when_sent and not self._queue:
+            self.close()
+
+    def stripes_failed(self, exc: BaseException) -> None:
+        """Before they were up, side connections failing leave the link unstriped (and
+        the dialer tells the listener); once in use, the link is lost."""
+        if self._stripes is None:
+            return  # given up already
+        if not self._stripes.ready:
+            why = f"side connections failed: {exc}"
+            if self.handshake.role is Role.DIALER and not self.closing:
+                self.send(Kind.STRIPES, {"why": why})  # the listener expects them no more
+            self._unstriped(why)
+            return
+        error = self._lost_error(f"side connection lost ({exc})")
+        error.__cause__ = exc
+        self.abort(error)
+
+    def _stripes_expired(self) -> None:
+        """The side connections are not up in time: none will be."""
+        if self._stripes is not None and not self._stripes.ready:
+            self.stripes_failed(TimeoutError(f"not up within {self._stripes_bound:g}s"))
+
+    @property
+    def _stripes_bound(self) -> float:
+        """Seconds the side connections may take to be up (messages with large buffers
+        wait for them meanwhile)."""
+        return min(self._handshake_timeout, STRIPES_SETUP_TIMEOUT)
+
+    def _unstriped(self, why: str) -> None:
+        """Side connections that are not up yet never will be: this link carries all,
+        queued messages included."""
+        if self._stripes is None or self._stripes.ready:
+            return
+        self.stripes_why = why
+        self._drop_stripes()
+        self._stripes = None
+        self._settle_stripes()
+
+    def _settle_stripes(self) -> None:
+        """The side connections are up, or failed: messages that waited for them leave."""
+        if self._stripes_timer is not None:
+            self._stripes_timer.cancel()
+        stripes = self._stripes
+        for queued in self._queue:
+            parts = queued.parts
+            if not queued.ready and isinstance(parts, StripedParts):
+                if stripes is not None and stripes.ready:
+                    stripes.send(parts.stripes)
+                else:
+                    queued.parts = parts.inline()
+                queued.ready = True
+        self._write_ready()
+
+    def _drop_stripes(self) -> None:
+        """Close the side connections (their byte counts stay)."""
+        if self._stripes is not None:
+            self._stripes.close()
+            if self._stripe_listener is not None:
+                self._stripe_listener.forget(self.handshake.link_id)
+
+    def _deliver_held(self) -> None:
+        """Hand up, in order, the held messages whose striped buffers are all in."""
+        while self._held and not self._held[0][1] and not self._reads.paused and not self.closed:
+            self.handler.frame_received(self, self._held.popleft()[0])
+
     def _judge(self, peer: Identity, probe: int | None) -> str | None:
         """Whether we can map the (authenticated) peer's segments: None if our hosts share
         what it takes (``MEMORY``) and its probe opens and maps; else why not."""
@@ -615,9 +824,18 @@ class Link(asyncio.BufferedProtocol):
             return refusal
         return "the peer lends no shared memory" if probe is None else open_probe(peer.pid, probe)
 
-    def _resolve_external(self, frame: Frame) -> None:
+    def _resolve_external(self, frame: Frame) -> set[int]:
+        """Put each external buffer's storage in ``frame``; returns the keys of striped
+        buffers still arriving."""
+        waits: set[int] = set()
         for i, buf in enumerate(frame.buffers):
-            if isinstance(buf, ExternalRef):
+            if isinstance(buf, ExternalRef) and is_striped(buf.key):
+                if self._stripes is None:
+                    raise RemoteProtocolError("striped buffer on a link without side connections")
+                frame.buffers[i], arrived = self._stripes.claim(buf.key, buf.nbytes)
+                if not arrived:
+                    waits.add(buf.key)
+            elif isinstance(buf, ExternalRef):
                 if not self._takes:
                     raise RemoteProtocolError(
                         f"shared-memory buffer from a peer that shares no memory with us "
@@ -625,6 +843,7 @@ class Link(asyncio.BufferedProtocol):
                     )
                 frame.buffers[i] = view = self._mapper.view(buf, self.segment_released)
                 self.shared_bytes_received += view.nbytes
+        return waits
 
     # -- closing -------------------------------------------------------------------
 
@@ -632,7 +851,7 @@ class Link(asyncio.BufferedProtocol):
         """Close after queued bytes are written (messages waiting for their segments
         too: filling a segment always finishes)."""
         self.closing = True
-        if self._queue:
+        if self._queue or (self._stripes is not None and self._stripes.sending):
             self._close_when_sent = True
             return
         if self._transport is not None:
@@ -656,6 +875,10 @@ class Link(asyncio.BufferedProtocol):
         self._handshake_timer.cancel()
         self._writes.drain()
         self._queue.clear()
+        self._held.clear()
+        if self._stripes_timer is not None:
+            self._stripes_timer.cancel()
+        self._drop_stripes()
         if self._segments is not None:
             self._segments.forget(self)
         self._mapper.clear()
@@ -680,7 +903,12 @@ def _cheap_to_copy(fills: Fills) -> bool:
 
 
 def _has_large(buffers: Sequence[memoryview]) -> bool:
-    return any(b.nbytes >= SHM_THRESHOLD for b in buffers)
+    return _has(buffers, SHM_THRESHOLD)
+
+
+def _has(buffers: Sequence[memoryview], nbytes: int) -> bool:
+    """Whether any buffer holds ``nbytes`` or more."""
+    return any(b.nbytes >= nbytes for b in buffers)
 
 
 def _keys(frame: Frame) -> list[int]:

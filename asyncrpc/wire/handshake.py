@@ -25,7 +25,10 @@ to a peer that proved it can map it (``peer_maps``; ours: ``maps_peer``).  The
 machine is events in (``receive(kind, meta)``), messages out (a list of
 ``(kind, meta)`` to send); it owns no socket.  Every transition lives in
 ``_TRANSITIONS``; a message that fits none, or a malformed field, raises
-``HandshakeError`` and fails the machine for good.
+``HandshakeError`` and fails the machine for good.  An end may also offer side
+connections (``offer_stripes``: a port and a count; see ``transport.stripes``), each
+of which later proves itself with ``stripe_proof``: an HMAC over both nonces, both
+names and its index.
 """
 
 from __future__ import annotations
@@ -73,9 +76,18 @@ class State(Enum):
     FAILED = auto()
 
 
-def _proof(secret: bytes, role: Role, nonces: tuple[bytes, bytes], names: tuple[str, str]) -> bytes:
-    """HMAC over the role, both nonces (dialer's first) and both names (length-prefixed)."""
+def _proof(
+    secret: bytes,
+    role: Role,
+    nonces: tuple[bytes, bytes],
+    names: tuple[str, str],
+    side: int | None = None,
+) -> bytes:
+    """HMAC over the role, both nonces (dialer's first) and both names (length-prefixed),
+    and for a side connection (``transport.stripes``) its index."""
     fields = [b"asyncrpc", role.name.encode(), *nonces, *(n.encode() for n in names)]
+    if side is not None:
+        fields += [b"side", str(side).encode()]
     message = b"".join(len(f).to_bytes(4, "big") + f for f in fields)
     return hmac.digest(secret, message, hashlib.sha256)
 
@@ -101,6 +113,8 @@ class Handshake:
         self.maps_peer: str | None = "not checked"  # why we cannot map its segments (None: can)
         self.peer_maps: str | None = "the peer did not say"  # why it cannot map ours
         self._judge: Judge | None = None
+        self.stripes: tuple[int, int] | None = None  # our side connections' port and count
+        self.peer_stripes: tuple[int, int] | None = None  # the peer's, if it offered them
         self._peer_probe: int | None = None
         self._secret = secret
         self._nonce = secrets.token_bytes(32)
@@ -112,6 +126,23 @@ class Handshake:
         why not."""
         self.probe = probe
         self._judge = judge
+
+    def offer_stripes(self, port: int, count: int) -> None:
+        """Offer side connections: ``count`` of them, at ``port`` of the address the
+        dialer dialed (see ``transport.stripes``)."""
+        self.stripes = (port, count)
+
+    @property
+    def link_id(self) -> bytes:
+        """What names this connection to its side connections: the dialer's nonce."""
+        return self._nonces()[0]
+
+    def stripe_proof(self, dialer: bool, index: int) -> bytes:
+        """The HMAC that side connection ``index`` of this (established) connection
+        carries from its dialer (or, ``dialer=False``, its listener): both nonces and
+        the index, under the job's secret."""
+        role = Role.DIALER if dialer else Role.LISTENER
+        return _proof(self._secret, role, self._nonces(), self._names(), side=index)
 
     @property
     def established(self) -> bool:
@@ -176,6 +207,8 @@ class Handshake:
         }
         if self.probe is not None:
             introduction["probe"] = self.probe
+        if self.stripes is not None:
+            introduction["stripes"] = list(self.stripes)
         return introduction
 
     def _with_maps(self, message: dict[str, Any]) -> dict[str, Any]:
@@ -204,6 +237,16 @@ class Handshake:
         probe = meta.get("probe")
         if probe is not None and (type(probe) is not int or probe < 0):
             raise HandshakeError(f"malformed probe {probe!r} in handshake")
+        stripes = meta.get("stripes")
+        if stripes is not None and not (
+            type(stripes) is list
+            and len(stripes) == 2
+            and all(type(n) is int for n in stripes)
+            and 0 < stripes[0] < 65536
+            and 0 < stripes[1] <= 64
+        ):
+            raise HandshakeError(f"malformed stripes {stripes!r} in handshake")
+        self.peer_stripes = None if stripes is None else (stripes[0], stripes[1])
         self._peer_probe = probe
         self._peer_nonce = nonce
         self.peer = Identity(name, rank, pid, host)

@@ -3,8 +3,10 @@
 Handshake (meta only: no payload, no buffers, never a pickle; the whole frame at most
 ``codec.MAX_HANDSHAKE_FRAME`` bytes; ``max_frame_size`` is the most the sender accepts)::
 
-    HELLO      dialer -> listener  {v, name, rank, pid, host, nonce, max_frame_size}
-    CHALLENGE  listener -> dialer  {v, name, rank, pid, host, nonce, max_frame_size, proof}
+    HELLO      dialer -> listener  {v, name, rank, pid, host, nonce, max_frame_size, probe?,
+                                    stripes?: [port, count]}
+    CHALLENGE  listener -> dialer  {v, name, rank, pid, host, nonce, max_frame_size, probe?,
+                                    stripes?, proof}
     AUTH       dialer -> listener  {proof}
     WELCOME    listener -> dialer  {}
 
@@ -20,6 +22,8 @@ Established::
     RELEASE    {k: [keys]}  the receiver no longer maps these shared-memory segments
     UNMAP      {k: [keys]}  the sender closed these segments: the receiver drops their mappings
     NOTICE     {n: [[key, *args], ...]}  one-way notices (no reply), as a REQUEST's ``n`` carries
+    STRIPES    {why}  the dialer could not connect the link's side connections: large
+               buffers use the link's stream (see asyncrpc.transport.stripes)
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class Kind(IntEnum):
     RELEASE = 15
     NOTICE = 16
     UNMAP = 17
+    STRIPES = 18
 
 
 KNOWN_KINDS: Final = frozenset(int(k) for k in Kind)

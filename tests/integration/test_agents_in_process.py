@@ -565,6 +565,8 @@ async def test_debug_info_says_which_transport_each_link_uses_and_why() -> None:
                 "why": "same network namespace",
                 "shared_memory": True,
                 "shared_memory_why": "same kernel, PID namespace and user",
+                "stripes": 0,
+                "stripes_why": "not a tcp link",
             }
         }
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from asyncrpc.transport.stripes import STRIPE_MIN
 from tests.cluster import Worker
 from tests.namespace_scenarios import SIZES, SMALL
 from tests.netns import NEEDS_ROOT_AND_IP, Namespace, network, run_in_namespaces
@@ -49,6 +50,8 @@ def test_workers_in_two_network_namespaces_talk_over_tcp_and_say_why(
                 "why": "different network namespace",
                 "shared_memory": True,
                 "shared_memory_why": "same kernel, PID namespace and user",
+                "stripes": 0,
+                "stripes_why": "shared memory carries large buffers",
             }
         }
         assert seen["shared_memory_peak"] >= SIZES[-1]
@@ -73,8 +76,13 @@ def test_two_pods_of_one_node_share_neither_sockets_nor_memory(
                 "why": "different network namespace",
                 "shared_memory": False,
                 "shared_memory_why": "different PID namespace",
+                "stripes": 2,
+                "stripes_why": "both ends offered them",
             }
         }
         assert seen["shared_memory_peak"] == 0
         assert seen["bytes"].get("shared_memory", {"sent": 0})["sent"] == 0
-        assert seen["bytes"]["tcp"]["sent"] >= 2 * sum(SIZES)
+        # 64 and 400 MB cross the side connections (to blake, to echo); the rest the link
+        striped = seen["bytes"]["tcp_stripes"]["sent"]
+        assert striped >= 2 * sum(n for n in SIZES if n >= STRIPE_MIN)
+        assert seen["bytes"]["tcp"]["sent"] + striped >= 2 * sum(SIZES)

@@ -492,3 +492,74 @@ def test_a_malformed_probe_fails_the_handshake(probe: object) -> None:
     _, listener = pair()
     with pytest.raises(HandshakeError, match="malformed probe"):
         listener.receive(Kind.HELLO, dict(_hello(), probe=probe))
+
+
+# -- side connections: each end offers its stripe listener's port and count -------------
+
+
+def test_each_end_learns_the_others_stripes() -> None:
+    dialer, listener = pair()
+    dialer.offer_stripes(40001, 2)
+    listener.offer_stripes(40002, 4)
+    assert dialer.peer_stripes is None and listener.peer_stripes is None
+    run_to_completion(dialer, listener)
+    assert dialer.peer_stripes == (40002, 4)
+    assert listener.peer_stripes == (40001, 2)
+
+
+def test_an_end_that_offers_no_stripes_says_nothing_of_them() -> None:
+    dialer, listener = pair()
+    dialer.offer_stripes(40001, 2)
+    hello = single(dialer.start())
+    challenge = single(listener.receive(*over_the_wire(*hello)))
+    assert hello[1]["stripes"] == [40001, 2] and "stripes" not in challenge[1]
+    dialer.receive(*over_the_wire(*challenge))
+    assert dialer.peer_stripes is None  # the listener offers none
+    assert listener.peer_stripes == (40001, 2)
+
+
+@pytest.mark.parametrize("stripes", [[1, 1], [65535, 64]], ids=["least", "most"])
+def test_stripes_at_the_bounds_are_accepted(stripes: list[int]) -> None:
+    _, listener = pair()
+    listener.receive(Kind.HELLO, dict(_hello(), stripes=stripes))
+    assert listener.peer_stripes == tuple(stripes)
+
+
+MALFORMED_STRIPES: dict[str, Any] = {
+    "a string": "40001,2",
+    "an int": 40001,
+    "a map": {"port": 40001, "count": 2},
+    "empty": [],
+    "one field": [40001],
+    "three fields": [40001, 2, 1],
+    "port 0": [0, 2],
+    "port 65536": [65536, 2],
+    "port 70000": [70000, 2],
+    "negative port": [-1, 2],
+    "count 0": [40001, 0],
+    "count 65": [40001, 65],
+    "negative count": [40001, -2],
+    "float port": [40001.0, 2],
+    "str port": ["40001", 2],
+    "bool count": [40001, True],
+    "nil count": [40001, None],
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED_STRIPES))
+def test_malformed_stripes_fail_the_listener(name: str) -> None:
+    _, listener = pair()
+    meta = dict(_hello(), stripes=MALFORMED_STRIPES[name])
+    with pytest.raises(HandshakeError, match="malformed stripes"):
+        listener.receive(*over_the_wire(Kind.HELLO, meta))
+    assert listener.state is State.FAILED
+    assert listener.peer_stripes is None
+
+
+@pytest.mark.parametrize("name", ["port 70000", "count 0", "a string"])
+def test_malformed_stripes_fail_the_dialer(name: str) -> None:
+    dialer, listener = pair()
+    challenge = single(listener.receive(*single(dialer.start())))
+    with pytest.raises(HandshakeError, match="malformed stripes"):
+        dialer.receive(Kind.CHALLENGE, dict(challenge[1], stripes=MALFORMED_STRIPES[name]))
+    assert dialer.state is State.FAILED
