@@ -78,7 +78,7 @@ async def init_rpc(
     busy_poll: float | None = None,
     handshake_timeout: float = 10.0,
     silent_peer_timeout: float = DEFAULT_SILENT_PEER_TIMEOUT,
-    tcp_stripes: int = DEFAULT_STRIPES,
+    tcp_stripes: int | None = None,
     metrics_port: int | None = None,
     dashboard: bool | None = None,
     device_maps: Mapping[str, Mapping[Any, Any]] | None = None,
@@ -114,10 +114,11 @@ async def init_rpc(
     partition, or its host died; a busy process still answers) before its link is
     dropped and the calls waiting on it fail with ``PeerLostError``; until a dial
     to it succeeds again, dials to it then wait at most 1 s (see docs/deploy.md).
-    ``tcp_stripes`` (0 to disable) is how many side connections a tcp link without
-    shared memory opens, to its peer's second, ephemeral port: buffers of 1 MiB or
-    more cross them on threads of their own, several cores at once (where they cannot
-    be made, the link carries everything; docs/deploy.md).
+    ``tcp_stripes`` (default ``ASYNCRPC_TCP_STRIPES``, else 2; 0 to disable) is how many
+    side connections a tcp link without shared memory opens, to its peer's second,
+    ephemeral port: buffers of 32 MiB or more cross them on threads of their own,
+    several cores at once (where they cannot be made, the link carries everything;
+    docs/deploy.md).
     ``metrics_port`` (or the environment variable ``ASYNCRPC_METRICS_PORT``) serves
     ``/metrics`` (Prometheus) and ``/debug`` (JSON) over HTTP on the listen host, at
     ``metrics_port + rank`` (0: a free port); ``dashboard`` (default: on rank 0 when
@@ -161,7 +162,7 @@ async def init_rpc(
         busy_poll=busy_poll,
         handshake_timeout=handshake_timeout,
         silent_peer_timeout=silent_peer_timeout,
-        tcp_stripes=tcp_stripes,
+        tcp_stripes=_tcp_stripes(tcp_stripes),
         devices=normalize_devices(devices),
         device_maps=normalize_maps(device_maps),
     )
@@ -277,6 +278,13 @@ def _listen_port(given: int | None) -> int:
     if not 0 < port <= 65535:
         raise ValueError(f"listen_port {given} + LOCAL_RANK is {port}: not a port number")
     return port
+
+
+def _tcp_stripes(given: int | None) -> int:
+    """``tcp_stripes``, else the environment's ``ASYNCRPC_TCP_STRIPES``, else the default."""
+    if given is None:
+        given = _int_from_env("ASYNCRPC_TCP_STRIPES", "a number of side connections")
+    return DEFAULT_STRIPES if given is None else given
 
 
 def _int_from_env(variable: str, what: str) -> int | None:

@@ -355,12 +355,10 @@ def one_round(kind: str, nbytes: int, echoes: int, veth: Veth = None) -> list[fl
         serve, drive = wrap(veth[1], serve), wrap(veth[0], drive)
     server = subprocess.Popen(serve)
     try:
-        out = subprocess.run(
-            drive,
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
+        done = subprocess.run(drive, check=False, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{kind}, {nbytes} bytes: the timing side failed:\n{done.stderr}")
+        out = done.stdout
     finally:
         server.wait(timeout=60)
     return [float(t) for t in out.split()]

@@ -650,7 +650,7 @@ class Link(asyncio.BufferedProtocol):
         elif frame.kind == Kind.UNMAP:
             self._mapper.forget(_keys(frame))
         elif frame.kind == Kind.STRIPES:
-            self._unstriped(f"the peer could not connect them ({frame.meta.get('why')})")
+            self._on_stripes_decided(frame.meta)
         else:
             waits = self._resolve_external(frame)
             if waits or self._held:
@@ -726,19 +726,23 @@ class Link(asyncio.BufferedProtocol):
             max_bytes=self.max_frame_size,
             silence_timeout=self.silence_timeout,
             name=self.peer.name,
+            confirmed=self.handshake.role is Role.DIALER,  # the dialer decides
         )
         self.stripes_why = "connecting"
-        bound = self._stripes_bound
-        self._stripes_timer = self._loop.call_later(bound, self._stripes_expired)
         if self.handshake.role is Role.DIALER:
+            bound = self._stripes_bound
+            self._stripes_timer = self._loop.call_later(bound, self._stripes_expired)
             assert self._transport is not None
             host = self._transport.get_extra_info("peername")[0]
             stripes.dial(host, port, self.handshake.link_id, timeout=bound)
-        else:
+        else:  # bounded by the dialer's decision (or the link's loss)
             listener.expect(self.handshake.link_id, stripes)
 
     def stripes_ready(self) -> None:
+        """Every side connection is up (and, for the listener, the dialer said so)."""
         self.stripes_why = "both ends offered them"
+        if self.handshake.role is Role.DIALER:
+            self.send(Kind.STRIPES, {"ok": True})  # ahead of any message that uses them
         self._settle_stripes()
 
     def stripe_arrived(self, key: int) -> None:
@@ -751,6 +755,16 @@ class Link(asyncio.BufferedProtocol):
         """Every piece handed to the side connections has left."""
         if self._close_when_sent and not self._queue:
             self.close()
+
+    def _on_stripes_decided(self, meta: dict[str, Any]) -> None:
+        """The dialer's word on the side connections (the listener's end)."""
+        if self.handshake.role is not Role.LISTENER:
+            raise RemoteProtocolError("STRIPES from the listener of a link")
+        if meta.get("ok") is True:
+            if self._stripes is not None:
+                self._stripes.confirm()
+        else:
+            self._unstriped(f"the peer could not connect them ({meta.get('why')})")
 
     def stripes_failed(self, exc: BaseException) -> None:
         """Before they were up, side connections failing leave the link unstriped (and

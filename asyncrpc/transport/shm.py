@@ -115,8 +115,34 @@ _libc.mmap.argtypes = [
 ]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _MADV_POPULATE_WRITE: Final = 23  # Linux 5.14 and later
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_PAGE: Final = mmap.PAGESIZE
+
+
+def populate(address: int, nbytes: int) -> bool:
+    """Fault in (writable) the pages that hold ``nbytes`` from ``address``, leaving what
+    they hold as it is, in one system call and without the GIL: False where the kernel
+    cannot (older than 5.14, or out of memory: whoever writes them faults them itself)."""
+    start = address - address % _PAGE
+    done: int = _libc.madvise(start, address + nbytes - start, _MADV_POPULATE_WRITE)
+    return done == 0
+
+
+def fault_in(view: memoryview) -> None:
+    """``populate`` the memory of a writable byte view unless its last page is in memory
+    already (one ``mincore``: populating 400 MB of present pages still took ~38 ms here,
+    walking them, against ~145 ms for fresh ones)."""
+    if not view.nbytes:
+        return
+    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    last = address + view.nbytes - 1
+    resident = ctypes.c_ubyte(0)
+    if _libc.mincore(last - last % _PAGE, 1, ctypes.byref(resident)) != 0 or not resident.value & 1:
+        populate(address, view.nbytes)
+
+
 _FD_BITS = 32
 
 
@@ -150,8 +176,7 @@ class _Mapping:
         """Fault in (writable) the pages of ``nbytes`` from ``offset``, leaving what they
         hold as it is, in one system call and without the GIL: False where the kernel
         cannot (older than 5.14, or out of memory: the copy will fault them itself)."""
-        done: int = _libc.madvise(self.address + offset, nbytes, _MADV_POPULATE_WRITE)
-        return done == 0
+        return populate(self.address + offset, nbytes)
 
     def __del__(self) -> None:
         _libc.munmap(self.address, self.nbytes)

@@ -16,11 +16,12 @@ that it is the link's dialer: ``HELLO`` carries the link's id (the dialer's
 handshake nonce) and an HMAC of the job's secret over both nonces and the side
 connection's index; the listener answers ``ACK`` with its own proof.  Nothing
 unproven is read beyond those fixed-size messages, and each waits a bounded time.
-Side connections that are not all up within ``STRIPES_SETUP_TIMEOUT`` (a firewall
-that lets only the main port through) leave the link unstriped: its stream carries
-everything, as before, the dialer tells the listener so (a STRIPES message), and the
-link's debug info says why.  A message with a large buffer sent meanwhile waits for
-the outcome.
+The dialer alone decides whether they are up, and says so to the listener in a
+STRIPES message on the link, which sends nothing on them before: side connections
+that are not all up within ``STRIPES_SETUP_TIMEOUT`` (a firewall that lets only the
+main port through) leave the link unstriped on both ends, its stream carrying
+everything, as before, and its debug info saying why.  A message with a large buffer
+sent meanwhile waits for the outcome.
 
 Sending.  ``Link.encode`` gives a large buffer an ``ExternalRef`` whose key has
 ``STRIPE_KEY`` set, and returns :class:`StripedParts`; when they are written, the
@@ -59,6 +60,7 @@ from typing import Any, Final, Protocol
 
 from asyncrpc.errors import RemoteProtocolError
 from asyncrpc.transport.liveness import detect_silence
+from asyncrpc.transport.shm import fault_in
 
 log = logging.getLogger("asyncrpc.transport")
 
@@ -135,7 +137,8 @@ class _Incoming:
 class Stripes:
     """One link's side connections (see the module docstring).  ``allocate``: storage
     for a received buffer; ``max_bytes``: the largest buffer accepted; ``call_soon``:
-    runs a callback on the link's loop thread (``loop.call_soon_threadsafe``)."""
+    runs a callback on the link's loop thread (``loop.call_soon_threadsafe``);
+    ``confirmed=False`` (the listener's): buffers are sent only once confirmed (``confirm``)."""
 
     def __init__(
         self,
@@ -148,6 +151,7 @@ class Stripes:
         max_bytes: int,
         silence_timeout: float,
         name: str,
+        confirmed: bool = True,
     ) -> None:
         self.count = count
         self._events = events
@@ -165,7 +169,8 @@ class Stripes:
         self._incoming: dict[int, _Incoming] = {}
         self._keys = 0
         self.sending = 0  # pieces handed to sender threads, not sent yet (loop thread)
-        self.ready = False  # every side connection is up here (loop thread)
+        self._attached = False  # every side connection is up here (loop thread)
+        self._confirmed = confirmed
         self.closed = False
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -238,8 +243,21 @@ class Stripes:
                     target=target, args=args, daemon=True,
                     name=f"asyncrpc-stripe-{self._name}-{index}",
                 ).start()  # fmt: skip
-        self.ready = True
-        self._events.stripes_ready()
+        self._attached = True
+        if self._confirmed:
+            self._events.stripes_ready()
+
+    def confirm(self) -> None:
+        """The dialer said its side connections are all up (loop thread; see ``ready``)."""
+        self._confirmed = True
+        if self._attached and not self.closed:
+            self._events.stripes_ready()
+
+    @property
+    def ready(self) -> bool:
+        """Whether buffers may be sent: every side connection is up here and, on the
+        listener's side, the dialer confirmed it (``confirm``)."""
+        return self._attached and self._confirmed and not self.closed
 
     # -- sending -------------------------------------------------------------------
 
@@ -332,7 +350,10 @@ class Stripes:
                 with self._lock:
                     incoming = self._incoming_buffer(key, total)
                     self._check_piece(incoming, offset, length)
-                _recv_into_exactly(sock, incoming.view[offset : offset + length])
+                piece = incoming.view[offset : offset + length]
+                fault_in(piece)  # in bulk, ahead of the socket, if fresh
+                _recv_into_exactly(sock, piece)
+                del piece
                 with self._lock:
                     self.bytes_received += HEADER.size + length
                     incoming.missing -= length

@@ -22,8 +22,9 @@ Established::
     RELEASE    {k: [keys]}  the receiver no longer maps these shared-memory segments
     UNMAP      {k: [keys]}  the sender closed these segments: the receiver drops their mappings
     NOTICE     {n: [[key, *args], ...]}  one-way notices (no reply), as a REQUEST's ``n`` carries
-    STRIPES    {why}  the dialer could not connect the link's side connections: large
-               buffers use the link's stream (see asyncrpc.transport.stripes)
+    STRIPES    {ok: true} | {why}  the dialer's word on the link's side connections: all
+               up (large buffers may cross them both ways), or not (they use the link's
+               stream; see asyncrpc.transport.stripes)
 """
 
 from __future__ import annotations

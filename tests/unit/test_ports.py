@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrpc.api import _int_from_env, _listen_port
+from asyncrpc.api import _int_from_env, _listen_port, _tcp_stripes
 
 
 def test_any_free_port_unless_one_is_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -35,3 +35,16 @@ def test_bad_ports_are_refused_naming_what_is_wrong(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("ASYNCRPC_METRICS_PORT", "nine")
     with pytest.raises(ValueError, match="ASYNCRPC_METRICS_PORT='nine' is not a port number"):
         _int_from_env("ASYNCRPC_METRICS_PORT", "a port number")
+
+
+def test_tcp_stripes_come_from_the_argument_then_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("ASYNCRPC_TCP_STRIPES", raising=False)
+    assert _tcp_stripes(None) == 2
+    monkeypatch.setenv("ASYNCRPC_TCP_STRIPES", "0")
+    assert _tcp_stripes(None) == 0
+    assert _tcp_stripes(3) == 3  # the argument wins over the environment
+    monkeypatch.setenv("ASYNCRPC_TCP_STRIPES", "two")
+    with pytest.raises(ValueError, match="ASYNCRPC_TCP_STRIPES"):
+        _tcp_stripes(None)

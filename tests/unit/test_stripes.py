@@ -168,12 +168,20 @@ class Harness:
         self._sockets: list[socket.socket] = []
         self._listeners: list[StripeListener] = []
 
-    def end(self, count: int = 2, *, prove: Prove = no_proof, max_bytes: int = MAX_BYTES) -> End:
+    def end(
+        self,
+        count: int = 2,
+        *,
+        prove: Prove = no_proof,
+        max_bytes: int = MAX_BYTES,
+        confirmed: bool = True,
+    ) -> End:
         events, allocator = Events(), Allocator()
         name = f"end{len(self._ends)}"
         stripes = Stripes(
             count, events, asyncio.get_running_loop().call_soon_threadsafe, prove=prove,
             allocate=allocator, max_bytes=max_bytes, silence_timeout=30.0, name=name,
+            confirmed=confirmed,
         )  # fmt: skip
         end = End(stripes, events, allocator, name)
         self._ends.append(end)
@@ -784,3 +792,22 @@ async def test_a_dial_to_nothing_fails(harness: Harness) -> None:
         near.stripes.dial("127.0.0.1", bound.getsockname()[1], ours.link_id, timeout=WAIT)
         exc = await failure(near)
     assert isinstance(exc, ConnectionRefusedError)
+
+
+async def test_a_listeners_end_is_ready_once_attached_and_confirmed(harness: Harness) -> None:
+    """The listener's side sends nothing until the dialer's word (``confirm``), whichever
+    of that and the last attach comes first; it still receives meanwhile."""
+    for confirm_first in (False, True):
+        end = harness.end(count=2, confirmed=False)
+        if confirm_first:
+            end.stripes.confirm()
+            assert not end.stripes.ready and end.events.calls == []
+        _, raws = harness.connect(end)
+        raws[0].sendall(HEADER.pack(KEY, 10, 0, 5) + b"01234")
+        raws[1].sendall(HEADER.pack(KEY, 10, 5, 5) + b"56789")
+        await arrived(end, KEY)  # received before it may send
+        if not confirm_first:
+            assert not end.stripes.ready
+            end.stripes.confirm()
+        await ready(end)
+        assert end.stripes.claim(KEY, 10)[1]
