@@ -220,6 +220,13 @@ class Harness:
             a.stripes.attach(index, x)
             b.stripes.attach(index, y)
 
+    async def joined(self) -> tuple[End, End]:
+        """Two ends of 2 side connections, joined and ready."""
+        a, b = self.end(), self.end()
+        self.join(a, b)
+        await ready(a, b)
+        return a, b
+
     async def threads_ended(self, end: End) -> None:
         """Wait (bounded) until every thread of ``end`` has returned."""
         mine = [t for t in threading.enumerate() if _of(t, end.name)]
@@ -253,6 +260,16 @@ async def harness() -> AsyncIterator[Harness]:
         yield made
     finally:
         await made.close()
+
+
+async def crosses(sender: End, receiver: End, nbytes: int) -> None:
+    """A buffer of ``nbytes`` sent by ``sender`` arrives whole; the sender says it left."""
+    data = payload(nbytes)
+    key = sender.stripes.next_key()
+    sender.stripes.send([(key, memoryview(data))])
+    await arrived(receiver, key)
+    assert receiver.stripes.claim(key, nbytes) == (data, True)
+    await asyncio.wait_for(sender.events.sent.wait(), WAIT)
 
 
 async def ready(*ends: End) -> None:
@@ -299,9 +316,7 @@ async def test_a_second_socket_for_an_index_is_closed(harness: Harness) -> None:
 
 async def test_a_buffer_claimed_before_its_pieces_arrive_intact(harness: Harness) -> None:
     """9 MiB + 3 bytes: pieces of 4 MiB, 4 MiB and 1 MiB + 3, dealt over both streams."""
-    a, b = harness.end(), harness.end()
-    harness.join(a, b)
-    await ready(a, b)
+    a, b = await harness.joined()
     nbytes = 9 * MiB + 3
     data = payload(nbytes)
     key = a.stripes.next_key()
@@ -321,9 +336,7 @@ async def test_a_buffer_claimed_before_its_pieces_arrive_intact(harness: Harness
 
 
 async def test_a_buffer_claimed_after_its_pieces_arrived_is_complete(harness: Harness) -> None:
-    a, b = harness.end(), harness.end()
-    harness.join(a, b)
-    await ready(a, b)
+    a, b = await harness.joined()
     nbytes = 9 * MiB + 3
     data = payload(nbytes)
     key = a.stripes.next_key()
@@ -335,9 +348,7 @@ async def test_a_buffer_claimed_after_its_pieces_arrived_is_complete(harness: Ha
 
 
 async def test_two_buffers_in_one_send(harness: Harness) -> None:
-    a, b = harness.end(), harness.end()
-    harness.join(a, b)
-    await ready(a, b)
+    a, b = await harness.joined()
     sizes = (5 * MiB + 1, 3 * MiB + 7)
     datas = [payload(n) for n in sizes]
     keys = [a.stripes.next_key(), a.stripes.next_key()]
@@ -357,26 +368,17 @@ async def test_two_buffers_in_one_send(harness: Harness) -> None:
 async def test_buffers_cross_both_ways_and_sent_is_reported_per_batch(
     harness: Harness,
 ) -> None:
-    a, b = harness.end(), harness.end()
-    harness.join(a, b)
-    await ready(a, b)
+    a, b = await harness.joined()
     for sender, receiver, nbytes in ((a, b, 1000), (b, a, 3 * MiB + 1), (a, b, 1)):
         sender.events.sent.clear()
-        data = payload(nbytes)
-        key = sender.stripes.next_key()
-        sender.stripes.send([(key, memoryview(data))])
-        await arrived(receiver, key)
-        assert receiver.stripes.claim(key, nbytes) == (data, True)
-        await asyncio.wait_for(sender.events.sent.wait(), WAIT)
+        await crosses(sender, receiver, nbytes)
     assert (len(a.events.named("sent")), len(b.events.named("sent"))) == (2, 1)
 
 
 async def test_a_buffer_of_another_format_or_shape_leaves_as_its_bytes(
     harness: Harness,
 ) -> None:
-    a, b = harness.end(), harness.end()
-    harness.join(a, b)
-    await ready(a, b)
+    a, b = await harness.joined()
     data = payload(4096)
     views = [memoryview(data).cast("I"), memoryview(data).cast("B", (64, 64))]
     keys = [a.stripes.next_key() for _ in views]
@@ -725,12 +727,7 @@ async def test_dial_to_a_listener_then_buffers_both_ways(harness: Harness) -> No
     near.stripes.dial("127.0.0.1", listener.port, ours.link_id, timeout=WAIT)
     await ready(near, far)
     for sender, receiver, nbytes in ((near, far, 9 * MiB + 3), (far, near, 5 * MiB + 1)):
-        data = payload(nbytes)
-        key = sender.stripes.next_key()
-        sender.stripes.send([(key, memoryview(data))])
-        await arrived(receiver, key)
-        assert receiver.stripes.claim(key, nbytes) == (data, True)
-        await asyncio.wait_for(sender.events.sent.wait(), WAIT)
+        await crosses(sender, receiver, nbytes)
         expected = nbytes + pieces(nbytes, 2) * HEADER.size
         assert sender.stripes.bytes_sent == receiver.stripes.bytes_received == expected
     assert near.events.named("failed") == far.events.named("failed") == []
