@@ -4,8 +4,9 @@ Theory of operation
 -------------------
 One tcp stream is bounded by one thread's copy into and out of the kernel on each
 side, and a Link is read on its event loop's thread.  A second stream brings a
-second core's copy (``benchmarks/tcp_floor.py``: about twice the bandwidth with two,
-on loopback and over veth; docs/architecture.md, "TCP between hosts").  So a tcp
+second core's copy (``benchmarks/tcp_floor.py``: raw sockets move about twice as much
+with two, on loopback and over veth; asyncrpc's large echoes gained 25-35 % over veth
+and 8-19 % over loopback on 2 cores; docs/architecture.md, "TCP between hosts").  So a tcp
 link whose two ends both offer it opens ``count`` *side connections*, and a buffer
 of ``STRIPE_MIN`` bytes or more leaves through them instead of the link's stream.
 
@@ -13,8 +14,8 @@ Setting up.  In the link's handshake each end offers its :class:`StripeListener`
 port and its count; once the link is established, the dialer connects ``min`` of
 the two counts to the listener's port at the address it dialed, and proves on each
 that it is the link's dialer: ``HELLO`` carries the link's id (the dialer's
-handshake nonce) and an HMAC of the job's secret over both nonces and the side
-connection's index; the listener answers ``ACK`` with its own proof.  Nothing
+handshake nonce) and an HMAC of the job's secret over both nonces, both names and the
+side connection's index; the listener answers ``ACK`` with its own proof.  Nothing
 unproven is read beyond those fixed-size messages, and each waits a bounded time.
 The dialer alone decides whether they are up, and says so to the listener in a
 STRIPES message on the link, which sends nothing on them before: side connections
@@ -32,8 +33,9 @@ send contract of the module ``serde`` holds: a buffer is not changed until its c
 completes).  ``Link.close`` waits until every piece has left.
 
 Receiving.  A reader thread per side connection reads each header, finds (or makes,
-with the link's allocator) the buffer that key names, checks the piece lies in it,
-and reads the piece straight into it.  The message's frame, arriving on the link's
+with the link's allocator) the buffer that key names, checks the piece is one of the
+sender's layout (``piece_size``) and new, faults it in if fresh, and reads it straight
+into place.  The message's frame, arriving on the link's
 stream before or after its pieces, ``claim``\\s the same buffer; the Link holds that
 message, and every message behind it, until the buffer is complete (``arrived``), so
 the link stays FIFO.  Round-robin pieces fill a buffer from the front on every
@@ -179,11 +181,7 @@ class Stripes:
 
     def dial(self, host: str, port: int, link_id: bytes, timeout: float) -> None:
         """Connect every side connection (the link's dialer), on a thread of its own."""
-        thread = threading.Thread(
-            target=self._dial_all, args=(host, port, link_id, timeout), daemon=True,
-            name=f"asyncrpc-stripes-dial-{self._name}",
-        )  # fmt: skip
-        thread.start()
+        _start(f"asyncrpc-stripes-dial-{self._name}", self._dial_all, host, port, link_id, timeout)
 
     def _dial_all(self, host: str, port: int, link_id: bytes, timeout: float) -> None:
         try:
@@ -199,8 +197,7 @@ class Stripes:
                     raise
                 self.attach(index, sock)
         except OSError as exc:
-            log.info("%s: no side connections (%s); large buffers use the link's stream",
-                     self._name, exc)  # fmt: skip
+            log.info("%s: no side connections (%s)", self._name, exc)
             self._failed(exc)
 
     def accepts(self, index: int, proof: bytes) -> bool:
@@ -238,11 +235,9 @@ class Stripes:
             sockets = [self._sockets[index] for index in range(self.count)]
             self._outboxes = [queue.SimpleQueue() for _ in sockets]
         for index, (sock, outbox) in enumerate(zip(sockets, self._outboxes, strict=True)):
-            for target, args in ((self._read, (sock,)), (self._write, (sock, outbox))):
-                threading.Thread(
-                    target=target, args=args, daemon=True,
-                    name=f"asyncrpc-stripe-{self._name}-{index}",
-                ).start()  # fmt: skip
+            name = f"asyncrpc-stripe-{self._name}-{index}"
+            _start(name, self._read, sock)
+            _start(name, self._write, sock, outbox)
         self._attached = True
         if self._confirmed:
             self._events.stripes_ready()
@@ -429,7 +424,7 @@ class StripeListener:
         self._lock = threading.Lock()
         self._greeting = threading.BoundedSemaphore(GREETINGS_AT_ONCE)
         self._closed = False
-        threading.Thread(target=self._accept, daemon=True, name="asyncrpc-stripes-accept").start()
+        _start("asyncrpc-stripes-accept", self._accept)
 
     def expect(self, link_id: bytes, stripes: Stripes) -> None:
         """Hand side connections that prove they are of ``link_id`` to ``stripes``."""
@@ -458,7 +453,7 @@ class StripeListener:
             if not self._greeting.acquire(blocking=False):
                 sock.close()
                 continue
-            threading.Thread(target=self._greet, args=(sock,), daemon=True).start()
+            _start("asyncrpc-stripes-greet", self._greet, sock)
 
     def _greet(self, sock: socket.socket) -> None:
         """Read a HELLO within the timeout; attach the connection to its link, or close it."""
@@ -482,6 +477,11 @@ def piece_size(nbytes: int, count: int) -> int:
     """Bytes in each piece of a striped buffer of ``nbytes`` (the last may be shorter):
     ``CHUNK``, or less so that each of ``count`` connections has one."""
     return max(1, min(CHUNK, -(-nbytes // count)))
+
+
+def _start(name: str, target: Callable[..., object], *args: Any) -> None:
+    """Run ``target(*args)`` on a new daemon thread named ``name``."""
+    threading.Thread(target=target, args=args, daemon=True, name=name).start()
 
 
 def _family(host: str) -> socket.AddressFamily:
