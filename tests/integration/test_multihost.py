@@ -220,7 +220,10 @@ def check_restart(
     """The surviving node's trainer lost ``ps`` at once, its torchrun restarted the
     worker group, the replacement met it, and the job ended; prints how long each took."""
     survivor, replacement = started[0], started[2]
-    lost = survivor.wait_for("stderr", "PeerLostError: lost connection to worker 'ps'", 0, killed)
+    # Mid-call on its link to ps, it lost the connection; if its first call came after
+    # the kill (a slow start under load), it could not connect: PeerLostError either way.
+    lost = survivor.wait_for("stderr", "PeerLostError: ", 0, killed)
+    assert "worker 'ps'" in lost.text, lost.text
     restarted = survivor.wait_for("stderr", "Worker group FAILED. 1/1 attempts left", 0, killed)
     met = replacement.wait_for("stderr", "Rendezvous complete for workers", 0)
     result = replacement.wait_for("stdout", RESULT_PREFIX, 0)
