@@ -39,7 +39,8 @@ into place.  The message's frame, arriving on the link's
 stream before or after its pieces, ``claim``\\s the same buffer; the Link holds that
 message, and every message behind it, until the buffer is complete (``arrived``), so
 the link stays FIFO.  Round-robin pieces fill a buffer from the front on every
-connection at once, behind the storage pool's prefault thread.
+connection at once, behind the storage pool's prefault thread.  (Each side connection
+has a reader thread from the start, and a sender thread from the first send.)
 
 Failure.  Any error on a side connection after it was set up (a reset, a silence
 past ``silent_peer_timeout``, a malformed header) is the link's: the Link is
@@ -229,15 +230,13 @@ class Stripes:
             self._call_soon(self._all_attached)
 
     def _all_attached(self) -> None:
+        """Start a reader per side connection (a sender starts with the first send)."""
         with self._lock:
             if self.closed:
                 return
             sockets = [self._sockets[index] for index in range(self.count)]
-            self._outboxes = [queue.SimpleQueue() for _ in sockets]
-        for index, (sock, outbox) in enumerate(zip(sockets, self._outboxes, strict=True)):
-            name = f"asyncrpc-stripe-{self._name}-{index}"
-            _start(name, self._read, sock)
-            _start(name, self._write, sock, outbox)
+        for index, sock in enumerate(sockets):
+            _start(f"asyncrpc-stripe-{self._name}-{index}", self._read, sock)
         self._attached = True
         if self._confirmed:
             self._events.stripes_ready()
@@ -264,7 +263,7 @@ class Stripes:
 
     def send(self, stripes: list[tuple[int, memoryview]]) -> None:
         """Hand each buffer's pieces to the sender threads, round-robin (loop thread)."""
-        if self.closed:
+        if self.closed or not (self._outboxes or self._start_senders()):
             return  # the link is being dropped
         turn = 0
         for key, buffer in stripes:
@@ -276,6 +275,19 @@ class Stripes:
                 self._outboxes[turn % self.count].put((header, piece))
                 self.sending += 1
                 turn += 1
+
+    def _start_senders(self) -> bool:
+        """A sender thread per side connection, each with its outbox; False if closed.
+        (Started on first use: a link that never sends a large buffer keeps half the
+        threads.)"""
+        with self._lock:
+            if self.closed:
+                return False
+            self._outboxes = [queue.SimpleQueue() for _ in range(self.count)]
+            for index, outbox in enumerate(self._outboxes):
+                sock = self._sockets[index]
+                _start(f"asyncrpc-stripe-{self._name}-{index}", self._write, sock, outbox)
+        return True
 
     def _write(self, sock: socket.socket, outbox: queue.SimpleQueue[Any]) -> None:
         try:

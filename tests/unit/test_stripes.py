@@ -808,3 +808,17 @@ async def test_a_listeners_end_is_ready_once_attached_and_confirmed(harness: Har
             end.stripes.confirm()
         await ready(end)
         assert end.stripes.claim(KEY, 10)[1]
+
+
+async def test_readers_start_with_the_side_connections_and_senders_with_the_first_send(
+    harness: Harness,
+) -> None:
+    """A link that never sends a large buffer keeps one thread per side connection."""
+    a, b = await harness.joined()
+
+    def threads(end: End) -> int:
+        return sum(1 for thread in threading.enumerate() if _of(thread, end.name))
+
+    assert threads(a) == threads(b) == 2
+    await crosses(a, b, 5 * MiB + 1)
+    assert (threads(a), threads(b)) == (4, 2)
