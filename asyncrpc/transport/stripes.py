@@ -64,6 +64,7 @@ from typing import Any, Final, Protocol
 from asyncrpc.errors import RemoteProtocolError
 from asyncrpc.transport.liveness import detect_silence
 from asyncrpc.transport.shm import fault_in
+from asyncrpc.wire import Allocator
 
 log = logging.getLogger("asyncrpc.transport")
 
@@ -91,7 +92,6 @@ MAGIC: Final = b"ARS1"
 GREETINGS_AT_ONCE: Final = 64
 """Unproven side connections being read at once; more are closed at once."""
 
-Allocation = tuple[Any, memoryview]
 Prove = Callable[[bool, int], bytes]
 """``prove(dialer, index)``: the HMAC a side connection's dialer (or listener) sends."""
 
@@ -150,7 +150,7 @@ class Stripes:
         call_soon: Callable[..., object],
         *,
         prove: Prove,
-        allocate: Callable[[int], Allocation],
+        allocate: Allocator,
         max_bytes: int,
         silence_timeout: float,
         name: str,
@@ -216,7 +216,7 @@ class Stripes:
         return self._prove(False, index)
 
     def attach(self, index: int, sock: socket.socket) -> None:
-        """A proven side connection (any thread): start its reader and sender."""
+        """A proven side connection (any thread); once all are, their readers start."""
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         detect_silence(sock, self._silence_timeout)
@@ -374,7 +374,7 @@ class Stripes:
             self._failed(exc)
 
     def _check_piece(self, incoming: _Incoming, offset: int, length: int) -> None:
-        """A piece must be one of its buffer's (see ``pieces``), and new (under the lock)."""
+        """A piece must be one of its buffer's (``piece_size``), and new (under the lock)."""
         total = incoming.view.nbytes
         size = piece_size(total, self.count)
         if offset % size or offset >= total or length != min(size, total - offset):

@@ -139,8 +139,8 @@ class Handshake:
 
     def stripe_proof(self, dialer: bool, index: int) -> bytes:
         """The HMAC that side connection ``index`` of this (established) connection
-        carries from its dialer (or, ``dialer=False``, its listener): both nonces and
-        the index, under the job's secret."""
+        carries from its dialer (or, ``dialer=False``, its listener): both nonces, both
+        names and the index, under the job's secret."""
         role = Role.DIALER if dialer else Role.LISTENER
         return _proof(self._secret, role, self._nonces(), self._names(), side=index)
 
