@@ -5,9 +5,12 @@ Theory of operation
 :class:`RRefContext` is an agent extension.  It feeds events to
 :class:`~asyncrpc.rref.protocol.RRefState` under a lock (handles are pickled in
 pool threads too) and carries out the instructions that come back on the event
-loop: protocol messages become small RPCs to ``@on_loop`` handlers (a
-ForkRequest's reply is the owner's confirmation), ``Free`` drops a value,
-``Orphan`` fails one.
+loop: a ForkRequest becomes a small RPC to an ``@on_loop`` handler (its reply is
+the owner's confirmation); ChildAccepted and ForkDeleted, which need no reply,
+become one-way notices (:mod:`asyncrpc.agent.notices`: they ride on the next
+frame to that worker, and keep their order with the frames around them);
+``Free`` drops a value, ``Orphan`` fails one.  A ``remote()`` whose RRef then
+dies thus costs its owner two requests and a notice, not three requests.
 
 Owner side, each RRef's value is an asyncio future in ``values`` (made when the
 RRef is first heard of, set when its function finishes), so a ``to_here`` or a
@@ -20,9 +23,10 @@ makes the order of deaths and births irrelevant.
 
 Graceful shutdown (``drain``, once every worker has stopped making calls):
 wait until every fork we hold is confirmed and no child we sent is still
-pinned, then delete every fork we hold, whatever Python still refers to it,
-and wait for the owners to acknowledge.  Every wait is bounded by the agent's
-shutdown.
+pinned, then delete every fork we hold, whatever Python still refers to it.
+Those notices leave before our SHUTDOWN of the second phase, so an owner
+has handled them before it can pass that barrier.  Every wait is bounded by the
+agent's shutdown.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from asyncrpc.agent import RpcAgent, current_agent, on_loop
+from asyncrpc.agent import RpcAgent, current_agent, on_loop, on_notice
 from asyncrpc.errors import AgentStateError, PeerLostError, RRefError
 from asyncrpc.rref.protocol import (
     ChildAccepted,
@@ -110,9 +114,13 @@ class RRefContext:
     def _post(self, to: int, message: Any) -> None:
         if self.closed or not self.agent.state.usable:
             return
-        handler = _HANDLERS[type(message)]
         try:
-            sent = self.agent.rpc_async(to, handler, (message.rref, message.fork, self.rank))
+            if not isinstance(message, ForkRequest):  # no reply wanted: a notice
+                self.agent.notify(to, _NOTICES[type(message)], *message.rref, *message.fork)
+                return
+            sent = self.agent.rpc_async(
+                to, _on_fork_request, (message.rref, message.fork, self.rank)
+            )
         except Exception as exc:  # e.g. the worker is unknown: nothing to tell it
             log.warning("cannot send %s to worker %d: %s", message, to, exc)
             return
@@ -165,7 +173,10 @@ class RRefContext:
             return
         self._drain_scheduled = True
         with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to release
-            self._loop.call_soon_threadsafe(self._count_dropped)
+            if threading.get_ident() == self._loop_thread:
+                self._loop.call_soon(self._count_dropped)  # (no wake-up to write)
+            else:
+                self._loop.call_soon_threadsafe(self._count_dropped)
 
     def _count_dropped(self) -> None:
         self._drain_scheduled = False
@@ -223,20 +234,24 @@ def _on_fork_request(rref: RRefId, fork: ForkId, sender: int) -> None:
         context.state.fork_requested(rref, fork, sender)
 
 
-@on_loop
-def _on_child_accepted(rref: RRefId, fork: ForkId, sender: int) -> None:
-    context = _here()
-    context.event(context.state.child_accepted, rref, fork)
+def _ids(sender: int, args: tuple[Any, ...]) -> tuple[RRefId, ForkId]:
+    """A notice's RRef and fork ids (four ints); ValueError (logged by the agent, which
+    keeps serving) for anything else."""
+    if len(args) != 4 or any(type(arg) is not int for arg in args):
+        raise ValueError(f"malformed RRef notice from worker {sender}: {args!r}")
+    return (args[0], args[1]), (args[2], args[3])
 
 
-@on_loop
-def _on_fork_deleted(rref: RRefId, fork: ForkId, sender: int) -> None:
-    context = _here()
-    context.event(context.state.fork_deleted, rref, fork)
+def _on_child_accepted(agent: RpcAgent, sender: int, *args: Any) -> None:
+    context = context_for(agent)
+    context.event(context.state.child_accepted, *_ids(sender, args))
 
 
-_HANDLERS: dict[type, Callable[[RRefId, ForkId, int], None]] = {
-    ForkRequest: _on_fork_request,
-    ChildAccepted: _on_child_accepted,
-    ForkDeleted: _on_fork_deleted,
-}
+def _on_fork_deleted(agent: RpcAgent, sender: int, *args: Any) -> None:
+    context = context_for(agent)
+    context.event(context.state.fork_deleted, *_ids(sender, args))
+
+
+_NOTICES: dict[type, str] = {ChildAccepted: "rref.child_accepted", ForkDeleted: "rref.fork_deleted"}
+on_notice(_NOTICES[ChildAccepted], _on_child_accepted)
+on_notice(_NOTICES[ForkDeleted], _on_fork_deleted)

@@ -45,16 +45,23 @@ def acting_as(agent: RpcAgent) -> Iterator[None]:
 
 
 async def settled(agents: tuple[RpcAgent, ...]) -> list[dict[str, int]]:
-    """Count dropped handles and wait until no RRef message is in flight anywhere."""
+    """Count dropped handles and wait until no RRef message is in flight anywhere (no
+    fork request unanswered, no notice unhandled) and the counts hold still for a
+    round: a handle can outlive its ``del`` by a loop turn or two (a callback still
+    refers to it), and handling a message may send another."""
     contexts = [context_for(agent) for agent in agents]
+    before = None
     while True:
         gc.collect()
         for context in contexts:
             context._count_dropped()
+        await asyncio.gather(*(agent.notices_delivered() for agent in agents))
         flying = [f for context in contexts for f in context._in_flight]
-        if not flying:
-            return [{k: v for k, v in a.debug_info().items() if "rrefs" in k} for a in agents]
         await asyncio.gather(*flying, return_exceptions=True)
+        counts = [{k: v for k, v in a.debug_info().items() if "rrefs" in k} for a in agents]
+        if not flying and counts == before:
+            return counts
+        before = counts
 
 
 ZERO = {"owner_rrefs": 0, "user_rrefs": 0}
@@ -120,6 +127,53 @@ async def test_remote_to_here_and_proxies(trio: tuple[RpcAgent, RpcAgent, RpcAge
     assert in_thread == 10
     assert await trio[0].rpc_async("b", value_on_owner, (rref,)) == 10
     del rref, added
+    assert await settled(trio) == [ZERO] * 3
+
+
+def served_calls(agent: RpcAgent) -> dict[str, int]:
+    """How many calls of each function ``agent`` has served."""
+    served = agent.metrics.snapshot()["served"]
+    return {f: sum(entry["outcomes"].values()) for f, entry in served.items()}
+
+
+async def test_a_dropped_rref_costs_its_owner_a_notice_not_a_call(
+    trio: tuple[RpcAgent, RpcAgent, RpcAgent],
+) -> None:
+    """``remote()``, ``to_here()``, then the handle dies: the owner serves the creation
+    and the fetch, and learns of the deletion from a notice (no reply to send)."""
+    _, b, _ = trio
+    before = served_calls(b)
+    rref = remote("b", operator.add, (1, 2))
+    assert await rref.to_here() == 3
+    del rref
+    assert await settled(trio) == [ZERO] * 3
+    after = served_calls(b)
+    new = {f: n - before.get(f, 0) for f, n in after.items() if n != before.get(f, 0)}
+    del new["asyncrpc.agent.notices.delivered"]  # settled()'s own wait for the notice
+    assert sorted(new) == ["RRef.to_here", "remote(_operator.add)"], new
+    assert all(n == 1 for n in new.values()), new
+
+
+@pytest.mark.parametrize(
+    "args",
+    [(), (1, 2, 3), ("0", 1, 2, 3), (0, 1, 2, None), ([0, 1], [2, 3]), (0, 1, 2, 3, 4)],
+    ids=repr,
+)
+@pytest.mark.parametrize("key", ["rref.fork_deleted", "rref.child_accepted"])
+async def test_a_malformed_rref_notice_is_logged_and_changes_nothing(
+    trio: tuple[RpcAgent, RpcAgent, RpcAgent],
+    key: str,
+    args: tuple[Any, ...],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    a = trio[0]
+    rref = remote("b", Counter, (5,))
+    assert (await rref.to_here()).n == 5
+    a.notify("b", key, *args)
+    await a.notices_delivered()
+    assert "malformed RRef notice from worker 0" in caplog.text
+    assert await rref.rpc_async().add(1) == 6  # b keeps serving, the RRef is intact
+    del rref
     assert await settled(trio) == [ZERO] * 3
 
 
