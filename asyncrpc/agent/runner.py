@@ -32,12 +32,9 @@ Where each placement runs:
   while one runs the loop sleeps.  A pool thread cannot be interrupted:
   cancelling such a call is up to ``done`` (drop the outcome).
 * LOOP and AWAITABLE -- called on the loop.  A coroutine (what an ``async def``
-  returns, or an ``@async_execution`` function may) takes its first step at once,
-  as Python 3.12's eager tasks do: one that finishes there completes the call in
-  the turn its request arrived, with no task and no later turn.  One that waits
-  goes on in a task (:class:`_Resumed` hands it over where it stopped), which
-  completes the call in the step the coroutine finishes (a done callback would
-  cost one more loop turn).  An asyncio or torch future completes it when
+  returns, or an ``@async_execution`` function may) runs in one wrapper task
+  that completes the call in the step the coroutine finishes (a done callback
+  would cost one more loop turn); an asyncio or torch future completes it when
   done, in this turn if it already is.
 * INLINE -- called on the loop at once; it completes at once.
 """
@@ -51,7 +48,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Generator, Hashable
+from collections.abc import Callable, Coroutine, Hashable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -189,7 +186,7 @@ class Runner:
         """Complete the call when what it returned (a coroutine, or an asyncio or torch
         future) is done; what cancels it."""
         if isinstance(returned, Coroutine):
-            return self._start_eagerly(returned, context, done)
+            return self._loop.create_task(_complete_when_finished(returned, done), context=context)
         try:
             future = self._as_future(returned, name)
         except TypeError as exc:
@@ -200,23 +197,6 @@ class Runner:
         else:
             future.add_done_callback(partial(_complete_from, done), context=context)
         return future
-
-    def _start_eagerly(
-        self, coroutine: Coroutine[Any, Any, Any], context: contextvars.Context, done: Done
-    ) -> asyncio.Task[None] | None:
-        """Run ``coroutine``'s first step now; a task takes it on only if it waits."""
-        try:
-            awaited = context.run(coroutine.send, None)
-        except StopIteration as finished:
-            outcome: tuple[bool, Any] = (True, finished.value)
-        except BaseException as exc:  # SystemExit too: it ends this call, not the worker
-            outcome = (False, exc)
-        else:
-            return self._loop.create_task(_Resumed(coroutine, awaited, done), context=context)
-        # Completed out here: an error in ``done`` must not chain the StopIteration
-        # (and with it the result) as its context.
-        context.run(done, *outcome)
-        return None
 
     def _as_future(self, awaitable: Any, name: Hashable) -> asyncio.Future[Any]:
         if isinstance(awaitable, torch._C.Future):  # also what Future.then() returns
@@ -241,64 +221,18 @@ class Runner:
         )
 
 
-class _Resumed(Coroutine[Any, Any, None]):
-    """A call's coroutine whose first step has run (and waits on ``awaited``), as a
-    coroutine a task drives on from there: the task's first step gets ``awaited`` to
-    wait on, later ones go on to the coroutine, and the call completes (``done``) in
-    the step it finishes (a done callback would cost one more loop turn), with what
-    it raised if that was an exception of any kind.  A task cancelled
-    before its first step still reaches the coroutine: ``awaited`` is cancelled, as a
-    task's cancel does to what it waits on, and the cancel thrown in."""
-
-    __slots__ = ("_awaited", "_coroutine", "_done", "_handed_over")
-
-    def __init__(self, coroutine: Coroutine[Any, Any, Any], awaited: Any, done: Done) -> None:
-        self._coroutine = coroutine
-        self._awaited = awaited
-        self._done = done
-        self._handed_over = False  # the task has been given ``awaited``
-
-    def send(self, value: Any) -> Any:
-        if not self._handed_over:
-            self._handed_over = True
-            awaited, self._awaited = self._awaited, None
-            return awaited
-        return self._step(self._coroutine.send, value)
-
-    def throw(self, exc: Any, value: Any = None, traceback: Any = None) -> Any:
-        error = exc if value is None else value
-        if not self._handed_over:
-            self._handed_over = True
-            if asyncio.isfuture(self._awaited):
-                self._awaited.cancel()
-            self._awaited = None
-        return self._step(self._coroutine.throw, error)
-
-    def close(self) -> None:
-        self._coroutine.close()
-
-    def __await__(self) -> Generator[Any, Any, None]:
-        return self  # an iterator of its own steps
-
-    def __iter__(self) -> _Resumed:
-        return self
-
-    def __next__(self) -> Any:
-        return self.send(None)
-
-    def _step(self, method: Callable[[Any], Any], argument: Any) -> Any:
-        try:
-            return method(argument)
-        except StopIteration as finished:
-            outcome: tuple[bool, Any] = (True, finished.value)
-        except GeneratorExit:  # closed unfinished: its loop is going away
+async def _complete_when_finished(coroutine: Coroutine[Any, Any, Any], done: Done) -> None:
+    """Await a call's coroutine and complete the call in the step it finishes."""
+    try:
+        result = await coroutine
+    except GeneratorExit:  # closed unfinished: its loop is going away
+        raise
+    except BaseException as exc:  # SystemExit too: it ends this call, not the worker
+        done(False, exc)
+        if isinstance(exc, asyncio.CancelledError):
             raise
-        except BaseException as exc:  # SystemExit too: it ends this call, not the worker
-            outcome = (False, exc)
-        self._done(*outcome)  # (out here: see Runner._start_eagerly)
-        if not outcome[0] and isinstance(outcome[1], asyncio.CancelledError):
-            raise outcome[1]
-        raise StopIteration
+        return
+    done(True, result)
 
 
 def _complete_from(done: Done, future: asyncio.Future[Any]) -> None:

@@ -172,54 +172,6 @@ async def test_a_cancelled_task_completes_as_cancelled(pool_runner: Runner) -> N
     assert (ok, type(value), context) == (False, asyncio.CancelledError, "inside")
 
 
-async def finish_at_once() -> str:
-    return where.get()
-
-
-async def test_a_coroutine_that_never_waits_completes_before_run_returns(
-    pool_runner: Runner,
-) -> None:
-    """Its first step runs at once (an eager start): no task, so nothing to cancel,
-    and the call is complete when ``run`` returns, in the call's context."""
-    done = Completion()
-    placement, name = describe(finish_at_once)
-    cancel = pool_runner.run(
-        placement, finish_at_once, (), {}, name=name, context=call_context(), done=done
-    )
-    assert cancel is None
-    assert done.outcomes == [(True, "inside", "inside")]
-
-
-async def test_a_coroutine_that_waits_goes_on_where_its_first_step_stopped(
-    pool_runner: Runner,
-) -> None:
-    """What it awaits in its first step is what its task waits for, and what that
-    future delivers (a value, then an exception) is what the coroutine gets."""
-    steps: list[str] = []
-    first, second = asyncio.Future[int](), asyncio.Future[int]()
-
-    async def two_waits() -> tuple[int, str, str]:
-        steps.append("first step")
-        value = await first
-        steps.append("second step")
-        try:
-            await second
-        except KeyError as exc:
-            return value, exc.args[0], where.get()
-        raise AssertionError("the exception never came in")
-
-    done = Completion()
-    cancel = pool_runner.run(
-        Placement.LOOP, two_waits, (), {}, name="two", context=call_context(), done=done
-    )
-    assert steps == ["first step"] and cancel is not None and not done.outcomes
-    first.set_result(7)
-    await asyncio.sleep(0)
-    second.set_exception(KeyError("sent in"))
-    assert await done.outcome() == (True, (7, "sent in", "inside"), "inside")
-    assert steps == ["first step", "second step"]
-
-
 @pytest.mark.parametrize("waits", [False, True], ids=["at once", "after a wait"])
 async def test_a_coroutine_completes_outside_any_exception_handler(
     pool_runner: Runner, waits: bool
@@ -243,45 +195,21 @@ async def test_a_coroutine_completes_outside_any_exception_handler(
     assert handling == [None]
 
 
-async def test_cancelling_a_resumed_coroutine_reaches_it(pool_runner: Runner) -> None:
-    """The task's cancel is thrown into the coroutine itself: its ``finally`` runs, and
-    the call completes as cancelled."""
-    cleaned = asyncio.Event()
+async def test_a_coroutine_call_runs_in_a_task_of_its_own(pool_runner: Runner) -> None:
+    """From its first step: asyncio.timeout and TaskGroup need a current task, and
+    handlers use them (running the first step eagerly, outside any task, broke them)."""
 
-    async def wait_forever() -> None:
-        try:
-            await asyncio.Event().wait()
-        finally:
-            cleaned.set()
+    async def timed() -> bool:
+        async with asyncio.timeout(5), asyncio.TaskGroup() as group:
+            group.create_task(asyncio.sleep(0))
+        return asyncio.current_task() is not None
 
     done = Completion()
     cancel = pool_runner.run(
-        Placement.LOOP, wait_forever, (), {}, name="wait", context=call_context(), done=done
+        Placement.LOOP, timed, (), {}, name="timed", context=call_context(), done=done
     )
     assert cancel is not None
-    cancel.cancel()
-    ok, value, context = await done.outcome()
-    assert (ok, type(value), context) == (False, asyncio.CancelledError, "inside")
-    assert cleaned.is_set()
-
-
-async def test_a_resumed_coroutine_that_catches_its_cancel_returns_normally(
-    pool_runner: Runner,
-) -> None:
-    async def shrug_off_cancel() -> str:
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            return "carried on"
-        return "never"
-
-    done = Completion()
-    cancel = pool_runner.run(
-        Placement.LOOP, shrug_off_cancel, (), {}, name="shrug", context=call_context(), done=done
-    )
-    assert cancel is not None
-    cancel.cancel()
-    assert (await done.outcome())[:2] == (True, "carried on")
+    assert await done.outcome() == (True, True, "inside")
 
 
 async def test_an_awaitable_call_returning_no_awaitable_fails_that_call(
