@@ -115,27 +115,27 @@ class RRefContext:
         if self.closed or not self.agent.state.usable:
             return
         try:
-            if not isinstance(message, ForkRequest):  # no reply wanted: a notice
+            if isinstance(message, ForkRequest):
+                self._request_fork(to, message)
+            else:  # no reply wanted: a notice
                 self.agent.notify(to, _NOTICES[type(message)], *message.rref, *message.fork)
-                return
-            sent = self.agent.rpc_async(
-                to, _on_fork_request, (message.rref, message.fork, self.rank)
-            )
         except Exception as exc:  # e.g. the worker is unknown: nothing to tell it
             log.warning("cannot send %s to worker %d: %s", message, to, exc)
-            return
-        self._in_flight.add(sent)
-        sent.add_done_callback(lambda f: self._delivered(f, message))
 
-    def _delivered(self, sent: asyncio.Future[Any], message: Any) -> None:
+    def _request_fork(self, to: int, request: ForkRequest) -> None:
+        """Ask the owner to count a fork: its reply is the confirmation."""
+        sent = self.agent.rpc_async(to, _on_fork_request, (request.rref, request.fork, self.rank))
+        self._in_flight.add(sent)
+        sent.add_done_callback(lambda f: self._answered(f, request))
+
+    def _answered(self, sent: asyncio.Future[Any], request: ForkRequest) -> None:
         self._in_flight.discard(sent)
         error = None if sent.cancelled() else sent.exception()
-        if isinstance(message, ForkRequest):
-            # Answered, or failed after it left: either way our later ForkDeleted follows
-            # it on the same link (and a dead owner's RRefs are forgotten anyway).
-            self.event(self.state.fork_confirmed, message.rref)
+        # Answered, or failed after it left: either way our later ForkDeleted follows
+        # it on the same link (and a dead owner's RRefs are forgotten anyway).
+        self.event(self.state.fork_confirmed, request.rref)
         if error is not None and not isinstance(error, (PeerLostError, AgentStateError)):
-            log.warning("RRef message %s failed: %s", message, error)
+            log.warning("RRef message %s failed: %s", request, error)
         self._changed.set()
 
     # -- handles -------------------------------------------------------------------
@@ -193,10 +193,7 @@ class RRefContext:
         while not (self.state.settled and not self._in_flight):
             self._changed.clear()
             await self._changed.wait()
-        self.event(self.state.release_all)
-        while self._in_flight:
-            self._changed.clear()
-            await self._changed.wait()
+        self.event(self.state.release_all)  # (notices only: nothing more to wait for)
 
     def close(self) -> None:
         """Every peer is done or dead: nothing can use an RRef here any more."""
