@@ -65,7 +65,9 @@ segments it may still have mapped, so that its cache lets go of them.  Their key
 are batched per loop turn and jump the queue: they never wait behind a message
 whose segments are still being filled, and the next message written carries any
 that are pending ahead of itself (so a caller's next call follows the release of
-the tensor it just dropped, and the peer can reuse that segment for its reply).
+the tensor it just dropped, and the peer can reuse that segment for its reply).  A
+message copied into its segments on the loop leaves in the next loop turn, not at
+once: a result dropped in the step that sends the next call dies when that step ends.
 
 Any protocol violation or transport error closes the Link; ``link_lost`` is
 then called exactly once, with the cause, so the owner can fail every call
@@ -469,7 +471,7 @@ class Link(asyncio.BufferedProtocol):
         if not fills:  # over budget: the buffers go inline, through the socket
             self.write(parts)
         elif _cheap_to_copy(fills):
-            self.write(self._fill_here(fills, parts, retry))
+            self._write_next_turn(self._fill_here(fills, parts, retry))
         else:
             self._fill_in_copier(pool, fills, parts, retry)
 
@@ -480,6 +482,21 @@ class Link(asyncio.BufferedProtocol):
         except Exception as exc:
             return self._copy_failed(fills, retry, exc)
         return parts
+
+    def _write_next_turn(self, parts: Parts) -> None:
+        """Queue a message whose segments are filled to leave in the next loop turn.  A
+        caller that dropped its previous result in the step that sends this call still
+        holds it until that step ends (asyncio's callback keeps the future that carried
+        it), so only then is the result's segment released; waiting a turn lets that
+        RELEASE lead the call, and the peer reuse the segment for its reply instead of
+        faulting in a new one (second 4 MB echo of a fresh pair: ~4.5 -> ~1.1 ms here)."""
+        queued = _Queued(parts, ready=False)
+        self._queue.append(queued)
+        self._loop.call_soon(self._now_ready, queued)
+
+    def _now_ready(self, queued: _Queued) -> None:
+        queued.ready = True
+        self._write_ready()
 
     def _fill_in_copier(
         self, pool: SegmentPool, fills: Fills, parts: Parts, retry: functools.partial[Parts]
@@ -522,8 +539,7 @@ class Link(asyncio.BufferedProtocol):
         error = job.exception() if not job.cancelled() else asyncio.CancelledError()
         if error is not None:
             queued.parts = self._copy_failed(fills, retry, error)
-        queued.ready = True
-        self._write_ready()
+        self._now_ready(queued)
 
     def _write_ready(self) -> None:
         """Write the queued messages that are ready, in order, up to the first that is not."""

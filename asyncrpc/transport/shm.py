@@ -100,6 +100,9 @@ GRANULE: Final = 64 << 10
 COPIER_THREADS: Final = 2
 COPY_PIECE: Final = 4 << 20
 """A copy of more bytes than this is cut in pieces of this size, shared by threads."""
+FRESH_PIECE: Final = 1 << 20
+"""The same for a copy into pages never faulted in, whose faults cost more than the
+copy: 4 MiB into a fresh segment, one thread 3.4 ms, two 1.8-2.0 ms here."""
 _MEMFD_NAME: Final = "asyncrpc-segment"
 
 
@@ -474,7 +477,8 @@ def _copy_into(
         destination.view(nbytes)[:] = source
         return
     source_address = ctypes.addressof(ctypes.c_char.from_buffer(source))
-    if helpers is None or nbytes <= COPY_PIECE:
+    piece = COPY_PIECE if nbytes <= fresh_from else FRESH_PIECE
+    if helpers is None or nbytes <= piece:
         ctypes.memmove(destination.address, source_address, nbytes)
         return
     helpers.share(
@@ -484,10 +488,10 @@ def _copy_into(
                 destination,
                 offset,
                 source_address + offset,
-                min(COPY_PIECE, nbytes - offset),
+                min(piece, nbytes - offset),
                 offset >= fresh_from,
             )
-            for offset in range(0, nbytes, COPY_PIECE)
+            for offset in range(0, nbytes, piece)
         ]
     )
 

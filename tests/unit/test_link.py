@@ -1010,9 +1010,11 @@ async def test_a_copy_of_up_to_4_mib_into_a_warm_segment_happens_on_the_loop(
     writes = len(dialer.transport.writes)
     data = memoryview(bytes([5]) * INLINE_COPY_MAX)
     dialer.send(1, b"", (data,))
-    assert len(pool.held) == 1  # no copier thread: copied and written at once
-    assert len(dialer.transport.writes) == writes + 1
+    assert len(pool.held) == 1  # no copier thread: copied at once, on the loop
     assert pool.stats["segments_in_use"] == 1
+    assert len(dialer.transport.writes) == writes  # written in the next loop turn
+    await asyncio.sleep(0)
+    assert len(dialer.transport.writes) == writes + 1
     await exchange(dialer, listener, lambda: len(listener.owner.frames) == 1)
     assert bytes(listener.owner.frames[0].buffers[0]) == bytes(data)
     assert sum(len(w) for w in dialer.transport.writes[writes:]) < SHM_THRESHOLD
@@ -1221,6 +1223,28 @@ async def test_a_message_written_after_a_release_carries_it_first(pool: HeldCopi
     feed(listener, dialer.transport.writes[-1], chunk=len(dialer.transport.writes[-1]))
     assert listener.received() == [2]
     assert pool.stats["segments_in_use"] == 0  # handled before message 2
+
+
+@shared_memory
+async def test_a_release_that_comes_up_after_a_warm_copy_in_its_turn_leads_it(
+    pool: HeldCopies,
+) -> None:
+    """A caller's previous result dies only when asyncio lets go of the step that sent
+    the next call (the finished future it awaited holds the result until then): the
+    call, copied on the loop, waits for the next turn, and that release goes first."""
+    dialer, listener = await connected(segments=pool)
+    await delivered_through_segment(listener, dialer, pool)  # the dialer maps it
+    await warm_segment(dialer, listener, pool, SHM_THRESHOLD)
+    writes = len(dialer.transport.writes)
+    dialer.send(2, b"", (large(2),))  # into the warm segment, here: no copier
+    assert pool.held and len(pool.held) == 2 and pool.stats["segments_in_use"] == 2
+    dialer.owner.frames.clear()  # then the view of the listener's segment dies
+    assert len(dialer.transport.writes) == writes
+    await asyncio.sleep(0)
+    sent = b"".join(dialer.transport.writes[writes:])
+    feed(listener, sent, chunk=len(sent))
+    assert listener.received() == [2]
+    assert pool.stats["segments_in_use"] == 1  # the release was handled before message 2
 
 
 # -- encoding off the loop (what a pool thread does for a reply) -----------------------

@@ -675,3 +675,29 @@ def test_a_copy_of_several_pieces_is_shared_and_arrives_whole(pool: SegmentPool)
     assert isinstance(ref, ExternalRef)
     memory = SegmentMapper(os.getpid()).view(ref, Releases())
     assert memory[:] == source
+
+
+def test_a_copy_into_fresh_pages_is_cut_finer_than_one_into_warm_pages(
+    pool: SegmentPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Faulting pages in costs more than copying into them: a copy into a new segment
+    is shared in FRESH_PIECEs (each faulted in first), one of the same size into a
+    reused segment is one memcpy (it fits a COPY_PIECE)."""
+    pieces: list[tuple[int, int, bool]] = []
+    copy_piece = shm._copy_piece
+
+    def recorded(destination: Any, offset: int, address: int, nbytes: int, fresh: bool) -> None:
+        pieces.append((offset, nbytes, fresh))
+        copy_piece(destination, offset, address, nbytes, fresh)
+
+    monkeypatch.setattr(shm, "_copy_piece", recorded)
+    piece, size = shm.FRESH_PIECE, 2 * shm.FRESH_PIECE + 4096
+    assert size <= shm.COPY_PIECE
+    first = put(pool, bytearray(data(size, 3)), LINK)
+    assert pieces == [(0, piece, True), (piece, piece, True), (2 * piece, 4096, True)]
+    assert SegmentMapper(os.getpid()).view(first, Releases())[:] == data(size, 3)
+    pool.release([first.key], owner=LINK)
+    pieces.clear()
+    second = put(pool, bytearray(data(size, 4)), LINK)
+    assert second.key == first.key and pieces == []  # reused, and copied in one go
+    assert SegmentMapper(os.getpid()).view(second, Releases())[:] == data(size, 4)
