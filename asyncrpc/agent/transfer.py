@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrpc.agent.outgoing import Outgoing, Undo
-from asyncrpc.serde import cuda, dumps, loads
+from asyncrpc.serde import cuda, dumps, dumps_plain, loads
 from asyncrpc.wire import Kind
 
 
@@ -126,8 +126,7 @@ def dumps_request(
     """Call ``call_id`` of ``function`` (``value``: what to run) for worker ``peer_rank``,
     serialised by ``agent``, as a REQUEST that undoes its reducers' effects if it never
     leaves."""
-    transfer = Transfer(agent, peer_rank, True, function=function)
-    message = _dumps(transfer, Kind.REQUEST, value)
+    message = _dumps(agent, peer_rank, True, function, value)
     message.meta["i"], message.meta["f"] = call_id, function
     return message
 
@@ -136,12 +135,17 @@ def dumps_reply(agent: Any, peer_rank: int, value: Any, *, call_id: int, functio
     """The result of call ``call_id`` (of ``function``) from worker ``peer_rank``,
     serialised by ``agent``, as a RESPONSE that undoes its reducers' effects if it never
     leaves."""
-    message = _dumps(Transfer(agent, peer_rank, False, function=function), Kind.RESPONSE, value)
+    message = _dumps(agent, peer_rank, False, function, value)
     message.meta["i"] = call_id
     return message
 
 
-def _dumps(transfer: Transfer, kind: Kind, value: Any) -> Outgoing:
+def _dumps(agent: Any, peer_rank: int, request: bool, function: str, value: Any) -> Outgoing:
+    kind = Kind.REQUEST if request else Kind.RESPONSE
+    payload = dumps_plain(value)
+    if payload is not None:  # no reducer had a part in it: nothing to undo or stage
+        return Outgoing(kind, {}, payload, function=function)
+    transfer = Transfer(agent, peer_rank, request, function=function)
     token = _transfer.set(transfer)
     try:
         payload, buffers = dumps(value)

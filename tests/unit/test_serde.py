@@ -9,6 +9,7 @@ import pickle
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,14 @@ import pytest
 import torch
 
 from asyncrpc.errors import SerializationError
-from asyncrpc.serde import allocate_tensor_storage, dumps, loads
+from asyncrpc.serde import (
+    allocate_tensor_storage,
+    dumps,
+    dumps_plain,
+    loads,
+    pickler,
+    register_reducer,
+)
 
 
 def receive(buffers: list[memoryview]) -> list[torch.Tensor]:
@@ -672,3 +680,82 @@ def test_a_very_deep_value_raises_serialization_error_not_recursion_error() -> N
     with pytest.raises(SerializationError, match="recursion") as caught:
         dumps(deep)
     assert len(str(caught.value)) < 300
+
+
+# -- dumps_plain: values no reducer has a part in --------------------------------------
+
+
+def _module_function(x: int) -> int:
+    return x
+
+
+PLAIN_VALUES = [
+    None,
+    True,
+    7,
+    2**80,
+    1.5,
+    2j,
+    "text",
+    b"bytes",
+    _module_function,
+    (_module_function, (), {}),  # a no-op call's request
+    (_module_function, (1, "a", None), {"k": 2.0}),
+    [1, [2, 3], {"a": 4}],
+    {"nested": {"a": 1}},
+]
+
+
+@pytest.mark.parametrize("value", PLAIN_VALUES, ids=repr)
+def test_dumps_plain_pickles_what_dumps_does_without_buffers(value: Any) -> None:
+    payload = dumps_plain(value)
+    assert payload is not None
+    assert loads(payload) == value
+    assert (payload, []) == dumps(value)  # the same bytes as the reducers' path
+
+
+class _Point:
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+
+class _Name(str):
+    pass
+
+
+NOT_PLAIN: dict[str, Callable[[], Any]] = {
+    "tensor": lambda: torch.ones(2),
+    "parameter": lambda: torch.nn.Parameter(torch.ones(2)),
+    "ndarray": lambda: np.ones(3),
+    "object": lambda: _Point(1),
+    "builtin": lambda: torch.add,  # a builtin may be bound (tensor.add): reduced by its owner
+    "method": lambda: _Point(1).__init__,
+    "str subclass": lambda: _Name("x"),
+    "dict with int keys": lambda: {1: "a"},
+    "too long": lambda: (1, 2, 3, 4, 5, 6, 7, 8, 9),
+    "too deep": lambda: [[[1]]],
+    "tensor argument": lambda: (_module_function, (torch.ones(1),), {}),
+    "tensor keyword": lambda: (_module_function, (), {"t": torch.ones(1)}),
+}
+
+
+@pytest.mark.parametrize("make", NOT_PLAIN.values(), ids=NOT_PLAIN.keys())
+def test_dumps_plain_leaves_anything_else_to_dumps(make: Callable[[], Any]) -> None:
+    assert dumps_plain(make()) is None
+
+
+def test_dumps_plain_names_what_it_could_not_pickle() -> None:
+    def local() -> None:
+        pass
+
+    with pytest.raises(SerializationError, match=r"cannot serialize .*local"):
+        dumps_plain((local, (), {}))
+
+
+def test_a_type_given_a_reducer_leaves_the_plain_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pickler, "_REDUCERS", dict(pickler._REDUCERS))
+    monkeypatch.setattr(pickler, "_PLAIN_TYPES", set(pickler._PLAIN_TYPES))
+    assert dumps_plain(2j) is not None
+    register_reducer(complex, lambda z: (complex, (z.real, -z.imag)))
+    assert dumps_plain(2j) is None
+    assert loads(dumps(2j)[0]) == -2j
