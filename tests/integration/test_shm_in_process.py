@@ -62,6 +62,13 @@ def echo(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+@on_loop
+def echo_on_arrival(x: torch.Tensor) -> torch.Tensor:
+    """Sends its argument back as its request arrives: the reply takes its segment
+    before the callee reads any frame that came after the request."""
+    return x
+
+
 async def negate(x: torch.Tensor) -> torch.Tensor:
     """A coroutine (run on the callee's loop) answering with a new tensor."""
     return -x
@@ -154,6 +161,27 @@ async def test_a_callers_segment_is_free_again_when_the_reply_arrives(
         assert shared(a)["segments_in_use"] == 0
         assert torch.equal(y, x if func is echo else -x)
     assert shared(a)["peak_bytes"] == nbytes
+
+
+@pytest.mark.parametrize("func", [echo, echo_on_arrival], ids=["in-pool", "on-arrival"])
+@pytest.mark.parametrize("nbytes", [2 * MiB, 32 * MiB], ids=["copied-on-the-loop", "copier"])
+async def test_a_result_dropped_before_the_next_call_leaves_the_callee_one_segment(
+    pair: tuple[RpcAgent, RpcAgent], nbytes: int, func: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    """``y = await rpc_async(...)``, ``del y``, call again: ``y`` dies only once the step
+    that sent the next call ends (asyncio's callback holds the future that carried it),
+    and its release still leads that call, so the callee reuses its segment for every
+    reply (a call copied on the loop used to leave first, and the callee's reply took a
+    new segment, whose pages it faulted in)."""
+    a, b = pair
+    x = tensor(nbytes, 32)
+    for _ in range(4):
+        y = await a.rpc_async("b", func, args=(x,))
+        assert torch.equal(y, x)
+        del y
+    stats = shared(b)
+    assert stats["fallbacks"] == 0
+    assert stats["peak_bytes"] == nbytes
 
 
 @pytest.mark.parametrize("nbytes", [2 * MiB, 32 * MiB], ids=["copied-on-the-loop", "copier"])
