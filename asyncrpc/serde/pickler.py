@@ -180,7 +180,7 @@ def dumps_plain(value: Any) -> bytes | None:
     """The payload of a value no reducer has a part in (built-in scalars, functions, and
     small tuples, lists and str-keyed dicts of them, like most small calls and their
     replies), pickled by the C pickler alone; None for any other value (use ``dumps``).
-    A no-op call's request: 1.75 -> ~1.0 µs."""
+    Here a no-op call's request takes 1.8 -> 1.4 µs and a None reply 0.97 -> 0.29 µs."""
     if not _plain(value, 0):
         return None
     try:
@@ -198,15 +198,17 @@ def _plain(value: Any, depth: int) -> bool:
     if kind is tuple or kind is list:
         if len(value) > _PLAIN_ITEMS:
             return False
-        for item in value:  # noqa: SIM110 (a loop costs less than all()'s generator)
-            if not _plain(item, depth + 1):
+        for item in value:  # (a loop costs less than all()'s generator)
+            if type(item) not in _PLAIN_TYPES and not _plain(item, depth + 1):
                 return False
         return True
     if kind is dict:
         if len(value) > _PLAIN_ITEMS:
             return False
         for key, item in value.items():
-            if type(key) is not str or not _plain(item, depth + 1):
+            if type(key) is not str:
+                return False
+            if type(item) not in _PLAIN_TYPES and not _plain(item, depth + 1):
                 return False
         return True
     return False

@@ -43,7 +43,8 @@ Lending and filling are separate steps: ``lend`` (cheap: a memfd and
 ``Segment.fill`` (the mmap of a new segment, its page faults and the memcpy,
 all without the GIL) can run on another thread (``fill_later``: the pool's
 copier threads); ``put`` does both.  A large copy is shared by the thread that
-wants it and the free copiers (``COPY_PIECE``): faults and memcpy on every core.
+wants it and the free copiers (``COPY_PIECE``, or the smaller ``FRESH_PIECE`` into
+pages never faulted in): faults and memcpy on every core.
 Unmapping is slow too (the last unmap frees the pages), so mappings are let go
 on the housekeeping thread (:mod:`.housekeeping`).
 
@@ -469,7 +470,8 @@ def _copy_into(
 ) -> None:
     """memcpy through ctypes, which lets go of the GIL for the copy (slice assignment
     would hold it, stalling the event loop while a pool thread copies megabytes); a
-    copy of several ``COPY_PIECE``s is shared with ``helpers``, and each piece from
+    copy of several ``COPY_PIECE``s (``FRESH_PIECE``s, when it goes into pages never
+    faulted in) is shared with ``helpers``, and each piece from
     ``fresh_from`` on (pages never faulted in) is faulted in in bulk first: 400 MiB
     into a fresh segment on two threads, 156-164 -> 132-138 ms here."""
     nbytes = len(source)
