@@ -31,7 +31,8 @@ loop, but copies little there: a message with a buffer of ``SHM_THRESHOLD`` or
 more for a same-host peer is encoded at once (its segments lent, so their keys
 are known, and any encoding error raised to the caller), and its segments are
 filled by the segment pool's copier threads, unless the copy is small
-(``INLINE_COPY_MAX``) and its segments warm.  Until they are filled, that
+(``INLINE_COPY_MAX``) and its segments warm (then it is copied at once, and
+leaves in the next loop turn).  Until they are filled, that
 message and every later one on this link wait in ``_queue``, and leave in
 order: a link is FIFO whatever its messages carry (``close`` waits for the
 queue too; a copy always finishes).  A message without such buffers, on a link
