@@ -1187,6 +1187,23 @@ async def test_close_waits_for_queued_messages(pool: HeldCopies) -> None:
 
 
 @shared_memory
+async def test_close_waits_for_a_message_copied_on_the_loop(pool: HeldCopies) -> None:
+    """A warm copy leaves in the next loop turn: a close in this one still sends it,
+    and what follows it, first."""
+    dialer, listener = await connected(segments=pool)
+    await warm_segment(dialer, listener, pool, SHM_THRESHOLD)
+    dialer.send(1, b"", (large(1),))  # copied here, written next turn
+    assert len(pool.held) == 1  # (warm_segment's): no copier thread for this one
+    dialer.send(2)
+    dialer.link.close()
+    assert "close" not in dialer.transport.calls
+    await exchange(dialer, listener, lambda: "close" in dialer.transport.calls)
+    feed(listener, dialer.transport.pending)
+    assert listener.received() == [1, 2]
+    assert bytes(listener.owner.frames[0].buffers[0]) == bytes(large(1))
+
+
+@shared_memory
 async def test_a_segment_the_receiver_lets_go_of_goes_back_to_the_pool(pool: HeldCopies) -> None:
     dialer, listener = await connected(segments=pool)
     await delivered_through_segment(dialer, listener, pool)
