@@ -195,23 +195,19 @@ def _plain(value: Any, depth: int) -> bool:
         return True
     if depth == _PLAIN_DEPTH:
         return False
-    if kind is tuple or kind is list:
-        if len(value) > _PLAIN_ITEMS:
-            return False
-        for item in value:  # (a loop costs less than all()'s generator)
-            if type(item) not in _PLAIN_TYPES and not _plain(item, depth + 1):
-                return False
-        return True
     if kind is dict:
         if len(value) > _PLAIN_ITEMS:
             return False
-        for key, item in value.items():
+        for key in value:  # (a loop costs less than all()'s generator)
             if type(key) is not str:
                 return False
-            if type(item) not in _PLAIN_TYPES and not _plain(item, depth + 1):
-                return False
-        return True
-    return False
+        value = value.values()
+    elif (kind is not tuple and kind is not list) or len(value) > _PLAIN_ITEMS:
+        return False
+    for item in value:
+        if type(item) not in _PLAIN_TYPES and not _plain(item, depth + 1):
+            return False
+    return True
 
 
 def dumps(value: Any) -> tuple[bytes, list[memoryview]]:
