@@ -11,7 +11,8 @@ links peers dialed; each request's reply returns on the link it came in on.  So
 two workers that call each other hold two links, and no tie-break is needed.
 
 Outgoing: ``rpc_async`` serialises at once (a bad argument raises right there),
-records a :class:`PendingCall` with a deadline timer, and writes the request
+records a :class:`PendingCall` and its deadline (:mod:`asyncrpc.agent.deadlines`:
+one loop timer for all of them), and writes the request
 (or queues it behind the dial, with any NOTICE frame made meanwhile).  The
 request is an :class:`~asyncrpc.agent.outgoing.Outgoing`: if it never leaves,
 what its serialisation did is undone and the notices it carried go first with
@@ -83,6 +84,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from asyncrpc.agent import spans
+from asyncrpc.agent.deadlines import Deadlines
 from asyncrpc.agent.dispatch import function_name, unpack_error
 from asyncrpc.agent.inbound import Inbound
 from asyncrpc.agent.metrics import call_metrics, outcome_of
@@ -216,7 +218,6 @@ class PendingCall:
     function: str
     timeout: float
     started: float  # perf_counter() when rpc_async was called
-    timer: asyncio.TimerHandle | None = None
     span: Any = None  # its span in a torch.profiler trace, while one runs (see spans)
 
 
@@ -267,6 +268,7 @@ class RpcAgent:
         # task sends them all once they can go, so no later message overtakes them.
         self._backlog: dict[str, list[Outgoing]] = {}
         self._pending: dict[int, PendingCall] = {}
+        self._deadlines = Deadlines(self._loop, self._expire, self._pending)
         self._notices = Notices()
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Future[Any]] = set()
@@ -484,6 +486,7 @@ class RpcAgent:
         closed = AgentStateError(f"worker {self.info.name!r} shut down")
         for call_id in list(self._pending):
             self._finish(call_id, error=closed)
+        self._deadlines.close()
         for task in list(self._tasks):
             task.cancel()
         for link in self._links.values():
@@ -553,9 +556,9 @@ class RpcAgent:
         )
         if spans.profiling():
             call.span = spans.begin_call(name, peer, call_id, self.info.name)
-        if call.timeout > 0:
-            call.timer = self._loop.call_later(call.timeout, self._expire, call_id)
         self._pending[call_id] = call
+        if call.timeout > 0:
+            self._deadlines.add(call_id, call.timeout)
         self._idle.clear()
         context_values = carried()
         if context_values:
@@ -779,8 +782,6 @@ class RpcAgent:
         self.metrics.made(call.function, outcome_of(error), time.perf_counter() - call.started)
         if call.span is not None:
             spans.end(call.span)
-        if call.timer is not None:
-            call.timer.cancel()
         if not call.future.done():
             if error is None:
                 call.future.set_result(result)
