@@ -10,8 +10,13 @@ call itself, which is its own completion and replies.  A THREAD call's job is
 its function *and* the serialisation of its result (with the copy of large
 buffers into shared memory, within the worker's budget), both in the pool
 thread: its outcome is an :class:`EncodedReply`, which the completion writes.
-The result of a call run on the loop is serialised in the completion, and
-``Link.send`` has large buffers copied into shared memory off the loop.
+A plain result (``serde.is_plain``: ``None``, a number, a few of them) is the
+exception: its pickle takes a microsecond, and Python run in a pool thread
+costs several times what it costs on the loop (the objects it touches are hot
+in the loop's CPU cache, and the GIL changes hands), so it goes back as it is.
+The result of a call run on the loop, or a plain one, is serialised in the
+completion, and ``Link.send`` has large buffers copied into shared memory off
+the loop.
 
 :meth:`Inbound.invoke` runs a function by the same placement rules, through the
 same runner, for upper layers (an RRef's value is made this way); its
@@ -66,6 +71,7 @@ from asyncrpc.errors import (
     RemoteProtocolError,
     SerializationError,
 )
+from asyncrpc.serde import is_plain
 from asyncrpc.transport import Link
 from asyncrpc.transport.flow import Parts
 from asyncrpc.wire import Frame, Kind
@@ -346,12 +352,16 @@ class Inbound:
         func: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-    ) -> EncodedReply:
-        """In a pool thread: a THREAD call's job, its function and its reply's encoding."""
+    ) -> Any:
+        """In a pool thread: a THREAD call's job, its function and its reply's encoding
+        (an EncodedReply), or its result as it is if plain (see the module docstring)."""
         call.started = time.perf_counter()  # its wait for a pool thread was queueing too
         if call.span is not None:
             call.span.taken()
-        reply = self._reply_of(call, func(*args, **kwargs))
+        result = func(*args, **kwargs)
+        if is_plain(result):
+            return result
+        reply = self._reply_of(call, result)
         try:
             reply.wait_staged_here()  # (its CUDA copies: this is a pool thread)
         except BaseException:
@@ -404,10 +414,18 @@ class Inbound:
             self._staging.discard(asyncio.current_task())
 
     def _reply_of(self, call: IncomingCall, result: Any) -> Outgoing:
-        """``result`` serialised as ``call``'s RESPONSE."""
-        return self._dumps_reply(
-            call.link.peer.rank, result, call_id=call.call_id, function=call.function
-        )
+        """``result`` serialised as ``call``'s RESPONSE; a SerializationError names the
+        worker and the function whose result it could not serialise."""
+        try:
+            return self._dumps_reply(
+                call.link.peer.rank, result, call_id=call.call_id, function=call.function
+            )
+        except SerializationError as exc:
+            raise SerializationError(
+                f"worker {self.worker!r} cannot send the result of {call.function}: {exc}",
+                worker=self.worker,
+                function=call.function,
+            ) from exc
 
     def _reply_failure(self, call: IncomingCall, exc: BaseException) -> None:
         if isinstance(exc, asyncio.CancelledError):  # by the callee's own code

@@ -1,6 +1,13 @@
 """Serialisation: values <-> (pickle payload, zero-copy tensor buffers)."""
 
-from asyncrpc.serde.pickler import dumps, dumps_plain, loads, reduce_tensor, register_reducer
+from asyncrpc.serde.pickler import (
+    dumps,
+    dumps_plain,
+    is_plain,
+    loads,
+    reduce_tensor,
+    register_reducer,
+)
 from asyncrpc.serde.tensors import allocate_tensor_storage, byte_view
 
 __all__ = (
@@ -8,6 +15,7 @@ __all__ = (
     "byte_view",
     "dumps",
     "dumps_plain",
+    "is_plain",
     "loads",
     "reduce_tensor",
     "register_reducer",

@@ -181,12 +181,18 @@ def dumps_plain(value: Any) -> bytes | None:
     small tuples, lists and str-keyed dicts of them, like most small calls and their
     replies), pickled by the C pickler alone; None for any other value (use ``dumps``).
     Here a no-op call's request takes 1.8 -> 1.4 µs and a None reply 0.97 -> 0.29 µs."""
-    if not _plain(value, 0):
+    if not is_plain(value):
         return None
     try:
         return pickle.dumps(value, protocol=5)
     except Exception as exc:  # a function pickle cannot find by its name, say
         raise SerializationError(f"cannot serialize {_describe(value)}: {exc}") from exc
+
+
+def is_plain(value: Any) -> bool:
+    """Whether ``value`` is plain (see :func:`dumps_plain`): small and quick to pickle,
+    a microsecond or two, wherever that happens."""
+    return _plain(value, 0)
 
 
 def _plain(value: Any, depth: int) -> bool:

@@ -27,7 +27,7 @@ from asyncrpc.agent import (
     current_agent,
     inbound,
 )
-from asyncrpc.errors import LocalProtocolError
+from asyncrpc.errors import LocalProtocolError, SerializationError
 from asyncrpc.transport import NETWORK, Link
 from tests.in_process import SECRET, joined_agents
 
@@ -328,6 +328,50 @@ async def until(condition: Callable[[], bool], limit: float = 5.0) -> None:
 
 def fails_on_purpose(why: str) -> None:
     raise ValueError(why)
+
+
+def small_result(n: int) -> tuple[int, str]:
+    return n, "ok"
+
+
+def tensor_result(n: int) -> torch.Tensor:
+    return torch.full((4,), float(n))
+
+
+def lambda_result() -> Any:
+    return lambda: None  # plain by type, yet pickle cannot find it by name
+
+
+async def test_a_pool_functions_plain_result_is_pickled_on_the_loop_and_a_tensor_in_the_pool(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    """Python in a pool thread costs several times what it costs on the loop, so a
+    plain result (a few scalars) goes back to the loop as it is; a tensor, whose copy
+    into shared memory may be large, is still serialised in its pool thread."""
+    a, b = pair
+    pickled_on: dict[str, int] = {}
+    inbound = b._inbound
+    dumps_reply = inbound._dumps_reply
+
+    def recording(peer_rank: int, result: Any, *, call_id: int, function: str) -> Any:
+        pickled_on[function.rsplit(".", 1)[-1]] = threading.get_ident()
+        return dumps_reply(peer_rank, result, call_id=call_id, function=function)
+
+    inbound._dumps_reply = recording
+    assert await a.rpc_async("b", small_result, args=(3,)) == (3, "ok")
+    assert torch.equal(await a.rpc_async("b", tensor_result, args=(2,)), torch.full((4,), 2.0))
+    assert pickled_on["small_result"] == threading.get_ident()  # the loop's thread
+    assert pickled_on["tensor_result"] != threading.get_ident()  # a pool thread
+
+
+async def test_an_unpicklable_plain_result_fails_its_call_naming_it_and_the_worker_serves_on(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    a, _ = pair
+    with pytest.raises(SerializationError, match="lambda_result") as caught:
+        await a.rpc_async("b", lambda_result)
+    assert "'b'" in str(caught.value)
+    assert await a.rpc_async("b", small_result, args=(1,)) == (1, "ok")
 
 
 async def test_a_failed_call_is_logged_on_the_callee(
