@@ -1,11 +1,11 @@
-"""The floor of a small round trip between two Python processes here, measured without RPC.
+"""The floor of a small round trip between two Python processes here, measured without asyncrpc.
 
 ``bench_rpc.py``'s no-op targets (plain 4x, coroutine 8x, pipelined 10x torch) ask for
 round trips of a few tens of microseconds.  This script measures what two processes on
-this machine pay for one round trip of a 64-byte message over a Unix socketpair when
-they do nothing else, from the bare system calls up to an asyncio skeleton of a call:
+this machine pay for one round trip over a Unix socketpair when they do nothing else,
+from the bare system calls up to the skeleton of an RPC framework:
 
-* ``blocking sockets``: ``send``/``recv`` in a loop on both sides (no event loop);
+* ``blocking sockets``: ``send``/``recv`` of 64 bytes in a loop on both sides;
 * ``uvloop protocols``: both sides run uvloop; the server's ``data_received`` writes
   the bytes back, the client writes and awaits a future set by its ``data_received``
   (the least any asyncio RPC does per call);
@@ -13,7 +13,17 @@ they do nothing else, from the bare system calls up to an asyncio skeleton of a 
   (``call_soon`` plus ``sched_yield``), as asyncrpc's poller does after activity;
 * ``uvloop, 256 in flight``: the client keeps 256 calls outstanding as
   ``bench_rpc.py``'s pipelined no-op does (a semaphore, a done callback per call);
-  the time per call.
+  the time per call;
+* ``skeleton RPC, ...``: the least a Python RPC does per call, in about 60 lines
+  (:class:`SkeletonServer`, :class:`SkeletonClient`): the caller pickles ``(function,
+  args, kwargs)`` into a length-prefixed frame with a call id, keeps a future per call
+  id; the server unpickles it, runs an ``async def`` as a task or a plain function in a
+  pool thread (four threads, a queue, one ``call_soon_threadsafe`` per batch of
+  results), pickles the result into a frame; the caller resolves the future.  No
+  authentication, limits, deadlines, metrics, notices, shared memory or error
+  handling.  Sequential with busy-polling (as ``bench_rpc.py``'s no-op rows), and 256
+  in flight (its pipelined row).  It is what a Python framework on this machine
+  cannot go below, which tells how far asyncrpc's own work per message is from it.
 
 Each is the median of ``--rounds`` rounds of ``--calls`` round trips (every round is
 printed).  Usage: ``python benchmarks/latency_floor.py [--calls 20000] [--rounds 5]``.
@@ -25,14 +35,23 @@ import argparse
 import asyncio
 import contextlib
 import os
+import pickle
+import queue
 import socket
 import statistics
+import struct
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import uvloop
 
 MESSAGE = b"x" * 64
+HEADER = struct.Struct("<IQ")  # the skeleton's frame: payload length, call id
+POOL_THREADS = 4
 
 
 def blocking_server(sock: socket.socket) -> None:
@@ -63,7 +82,7 @@ class Caller(asyncio.Protocol):
     """Counts replies by bytes (64 per call) and resolves one future per call."""
 
     def __init__(self) -> None:
-        self.waiting: list[asyncio.Future[None]] = []
+        self.waiting: deque[asyncio.Future[None]] = deque()
         self.buffered = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -73,7 +92,7 @@ class Caller(asyncio.Protocol):
         self.buffered += len(data)
         while self.buffered >= len(MESSAGE):
             self.buffered -= len(MESSAGE)
-            self.waiting.pop(0).set_result(None)
+            self.waiting.popleft().set_result(None)
 
     def call(self) -> asyncio.Future[None]:
         future = asyncio.get_running_loop().create_future()
@@ -82,17 +101,138 @@ class Caller(asyncio.Protocol):
         return future
 
 
+# -- the skeleton RPC ------------------------------------------------------------------
+
+
+async def coroutine_noop() -> None:
+    return None
+
+
+def plain_noop() -> None:
+    return None
+
+
+def frames(buffer: bytearray) -> tuple[list[tuple[int, Any]], int]:
+    """The complete frames at the start of ``buffer``, unpickled, and the bytes they take."""
+    found, offset = [], 0
+    while len(buffer) - offset >= HEADER.size:
+        length, call_id = HEADER.unpack_from(buffer, offset)
+        end = offset + HEADER.size + length
+        if len(buffer) < end:
+            break
+        found.append((call_id, pickle.loads(memoryview(buffer)[offset + HEADER.size : end])))
+        offset = end
+    return found, offset
+
+
+def frame(call_id: int, value: Any) -> bytes:
+    payload = pickle.dumps(value, protocol=5)
+    return HEADER.pack(len(payload), call_id) + payload
+
+
+class SkeletonServer(asyncio.Protocol):
+    """Runs each call: an ``async def`` as a task, a plain function in a pool thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.buffer = bytearray()
+        self.jobs: queue.SimpleQueue[tuple[int, Callable[..., Any], tuple[Any, ...]]] = (
+            queue.SimpleQueue()
+        )
+        self.results: deque[tuple[int, Any]] = deque()
+        self.lock = threading.Lock()
+        self.drain_scheduled = False
+        for _ in range(POOL_THREADS):
+            threading.Thread(target=self.work, daemon=True).start()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport: asyncio.Transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        calls, used = frames(self.buffer)
+        del self.buffer[:used]
+        for call_id, (function, args, kwargs) in calls:
+            if asyncio.iscoroutinefunction(function):
+                task = self.loop.create_task(function(*args, **kwargs))
+                task.add_done_callback(lambda done, i=call_id: self.reply(i, done.result()))
+            else:
+                self.jobs.put((call_id, function, args))
+
+    def work(self) -> None:
+        while True:
+            call_id, function, args = self.jobs.get()
+            self.results.append((call_id, function(*args)))
+            with self.lock:
+                if self.drain_scheduled:
+                    continue
+                self.drain_scheduled = True
+            self.loop.call_soon_threadsafe(self.drain)
+
+    def drain(self) -> None:
+        with self.lock:
+            self.drain_scheduled = False
+        while self.results:
+            self.reply(*self.results.popleft())
+
+    def reply(self, call_id: int, result: Any) -> None:
+        self.transport.write(frame(call_id, result))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.loop.stop()
+
+
+class SkeletonClient(asyncio.Protocol):
+    """Pickles each call into a frame and resolves its future when its reply comes."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+        self.buffer = bytearray()
+        self.pending: dict[int, asyncio.Future[Any]] = {}
+        self.next_id = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport: asyncio.Transport = transport  # type: ignore[assignment]
+
+    def call(self) -> asyncio.Future[Any]:
+        self.next_id += 1
+        future = asyncio.get_running_loop().create_future()
+        self.pending[self.next_id] = future
+        self.transport.write(frame(self.next_id, (self.function, (), {})))
+        return future
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        replies, used = frames(self.buffer)
+        del self.buffer[:used]
+        for call_id, result in replies:
+            self.pending.pop(call_id).set_result(result)
+
+
+# -- running a kind in a fresh pair of processes ----------------------------------------
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One measurement: the server's protocol, the client's, busy-polling, calls in flight."""
+
+    server: Callable[[], asyncio.Protocol]
+    client: Callable[[], Caller | SkeletonClient]
+    poll: bool
+    in_flight: int
+
+
 def spin_forever(loop: asyncio.AbstractEventLoop) -> None:
     """Keep the loop turning: each turn polls the sockets with a zero timeout."""
     os.sched_yield()
     loop.call_soon(spin_forever, loop)
 
 
-def loop_server(sock: socket.socket, poll: bool) -> None:
+def loop_server(sock: socket.socket, kind: Kind) -> None:
     async def serve() -> None:
         loop = asyncio.get_running_loop()
-        await loop.connect_accepted_socket(Echo, sock)
-        if poll:
+        await loop.connect_accepted_socket(kind.server, sock)
+        if kind.poll:
             spin_forever(loop)
         await asyncio.Event().wait()
 
@@ -100,57 +240,68 @@ def loop_server(sock: socket.socket, poll: bool) -> None:
         uvloop.run(serve())
 
 
-async def loop_client(sock: socket.socket, calls: int, poll: bool, in_flight: int) -> float:
+async def loop_client(sock: socket.socket, calls: int, kind: Kind) -> float:
     loop = asyncio.get_running_loop()
-    _, caller = await loop.connect_accepted_socket(Caller, sock)
-    if poll:
+    _, caller = await loop.connect_accepted_socket(kind.client, sock)
+    if kind.poll:
         spin_forever(loop)
+    for _ in range(min(calls, 500)):  # warm up: the first calls pay for caches and threads
+        await caller.call()
     start = time.perf_counter()
-    if in_flight == 1:
+    if kind.in_flight == 1:
         for _ in range(calls):
             await caller.call()
     else:  # as bench_rpc.py's pipelined no-op: a semaphore, a done callback per call
-        window = asyncio.Semaphore(in_flight)
+        window = asyncio.Semaphore(kind.in_flight)
         for _ in range(calls):
             await window.acquire()
             caller.call().add_done_callback(lambda _: window.release())
-        for _ in range(in_flight):
+        for _ in range(kind.in_flight):
             await window.acquire()
     return (time.perf_counter() - start) / calls
 
 
-def one_round(kind: str, calls: int) -> float:
-    """Seconds per call of ``kind``, in a fresh pair of processes."""
+def one_round(name: str, calls: int) -> float:
+    """Seconds per call of the kind ``name``, in a fresh pair of processes."""
     ours, theirs = socket.socketpair()
-    poll = kind == "uvloop + busy-poll"
+    kind = KINDS.get(name)
     child = os.fork()
     if child == 0:
         ours.close()
-        if kind == "blocking sockets":
+        if kind is None:
             blocking_server(theirs)
         else:
-            loop_server(theirs, poll)
+            loop_server(theirs, kind)
         os._exit(0)
     theirs.close()
     try:
-        if kind == "blocking sockets":
+        if kind is None:
             return blocking_client(ours, calls)
-        in_flight = 256 if kind == "uvloop, 256 in flight" else 1
-        return uvloop.run(loop_client(ours, calls, poll, in_flight))
+        return uvloop.run(loop_client(ours, calls, kind))
     finally:
         ours.close()
         os.waitpid(child, 0)
 
 
-KINDS: dict[str, Callable[[int], float]] = {
-    kind: (lambda calls, kind=kind: one_round(kind, calls))
-    for kind in (
-        "blocking sockets",
-        "uvloop protocols",
-        "uvloop + busy-poll",
-        "uvloop, 256 in flight",
-    )
+def skeleton(function: Callable[..., Any]) -> Callable[[], SkeletonClient]:
+    return lambda: SkeletonClient(function)
+
+
+KINDS: dict[str, Kind] = {
+    "uvloop protocols": Kind(Echo, Caller, poll=False, in_flight=1),
+    "uvloop + busy-poll": Kind(Echo, Caller, poll=True, in_flight=1),
+    "uvloop, 256 in flight": Kind(Echo, Caller, poll=False, in_flight=256),
+    "skeleton RPC, async def, busy-poll": Kind(
+        SkeletonServer, skeleton(coroutine_noop), poll=True, in_flight=1
+    ),
+    "skeleton RPC, pool thread, busy-poll": Kind(
+        SkeletonServer, skeleton(plain_noop), poll=True, in_flight=1
+    ),
+    "skeleton RPC, pool thread, 256 in flight": Kind(
+        SkeletonServer, skeleton(plain_noop), poll=False, in_flight=256
+    ),
 }
+NAMES = ("blocking sockets", *KINDS)
 
 
 def main() -> None:
@@ -158,17 +309,17 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    tries: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    tries: dict[str, list[float]] = {name: [] for name in NAMES}
     for _ in range(args.rounds):  # alternating, so that a noisy moment hits every kind
-        for kind, measure in KINDS.items():
-            tries[kind].append(measure(args.calls) * 1e6)
+        for name in NAMES:
+            tries[name].append(one_round(name, args.calls) * 1e6)
     print(
-        f"64-byte round trips between two processes, {args.rounds} rounds of {args.calls} "
+        f"round trips between two processes, {args.rounds} rounds of {args.calls} "
         f"(µs per call), load {os.getloadavg()[0]:.2f}"
     )
-    for kind, us in tries.items():
+    for name, us in tries.items():
         each = " ".join(f"{u:.1f}" for u in us)
-        print(f"  {kind:24s} median {statistics.median(us):6.1f}   [{each}]")
+        print(f"  {name:42s} median {statistics.median(us):6.1f}   [{each}]")
 
 
 if __name__ == "__main__":

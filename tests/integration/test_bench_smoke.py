@@ -1,5 +1,5 @@
 """The benchmarks still run end to end (quick modes; no speed is asserted): the
-side-by-side one, and the inference service's load test."""
+side-by-side one, the inference service's load test, and the latency floor."""
 
 from __future__ import annotations
 
@@ -60,3 +60,19 @@ def test_service_bench_quick_mode_measures_both_modes_with_no_failure(tmp_path: 
     assert set(payload["speedup"]) == {"1", "16", "64", "256"}
     assert "batched / unbatched throughput at concurrency 64" in done.stdout
     assert plot.stat().st_size > 0
+
+
+def test_latency_floor_measures_every_kind_down_to_the_skeleton_rpc() -> None:
+    done = run_script("benchmarks/latency_floor.py", "--calls", "300", "--rounds", "1", timeout=120)
+    kinds = (
+        "blocking sockets",
+        "uvloop protocols",
+        "uvloop + busy-poll",
+        "uvloop, 256 in flight",
+        "skeleton RPC, async def, busy-poll",
+        "skeleton RPC, pool thread, busy-poll",
+        "skeleton RPC, pool thread, 256 in flight",
+    )
+    for kind in kinds:
+        line = next(x for x in done.stdout.splitlines() if x.strip().startswith(kind))
+        assert float(line.split("median")[1].split()[0]) > 0, line
