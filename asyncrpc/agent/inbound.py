@@ -234,7 +234,9 @@ class Inbound:
             )
             return
         context = self._context.copy()
-        apply_carried(context, frame.meta.get("c"))
+        carried_values = frame.meta.get("c")
+        if carried_values is not None:
+            apply_carried(context, carried_values)
         if waits:
             self._start_after(waits, call, lambda: self._start(call, context, func, args, kwargs))
         else:

@@ -103,6 +103,8 @@ class Outgoing:
     @property
     def size(self) -> int:
         """Bytes of payload and buffers (what the peers' ``max_frame_size`` limits)."""
+        if not self.buffers:  # most messages (a generator costs more than the sum)
+            return len(self.payload)
         return len(self.payload) + sum(b.nbytes for b in self.buffers)
 
     @property

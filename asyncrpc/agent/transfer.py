@@ -82,8 +82,14 @@ def propagate(key: str, variable: contextvars.ContextVar[Any]) -> None:
 
 def carried() -> dict[str, Any] | None:
     """The propagated variables set in the caller's context, for a request's header."""
-    found = {key: value for key, var in _propagated.items() if (value := var.get()) is not None}
-    return found or None
+    found = None  # (a loop, not a comprehension: no dict made for most calls, which carry none)
+    for key, variable in _propagated.items():
+        value = variable.get()
+        if value is not None:
+            if found is None:
+                found = {}
+            found[key] = value
+    return found
 
 
 def apply_carried(context: contextvars.Context, values: Any) -> None:
