@@ -234,9 +234,7 @@ class Inbound:
             )
             return
         context = self._context.copy()
-        carried_values = frame.meta.get("c")
-        if carried_values is not None:
-            apply_carried(context, carried_values)
+        apply_carried(context, frame.meta.get("c"))
         if waits:
             self._start_after(waits, call, lambda: self._start(call, context, func, args, kwargs))
         else:
