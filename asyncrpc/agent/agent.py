@@ -101,7 +101,14 @@ from asyncrpc.agent.shutdown import (
     Tell,
 )
 from asyncrpc.agent.shutdown import Action as ShutdownAction
-from asyncrpc.agent.transfer import carried, dumps_reply, dumps_request, loads_reply, loads_request
+from asyncrpc.agent.transfer import (
+    PLAIN,
+    carried,
+    dumps_reply,
+    dumps_request,
+    loads_reply,
+    loads_request,
+)
 from asyncrpc.agent.worker import WorkerAddress, WorkerInfo
 from asyncrpc.errors import (
     AgentStateError,
@@ -112,7 +119,7 @@ from asyncrpc.errors import (
     SerializationError,
     UnknownWorkerError,
 )
-from asyncrpc.serde import allocate_tensor_storage, cuda
+from asyncrpc.serde import allocate_tensor_storage, cuda, dumps_plain
 from asyncrpc.serde.devices import (
     CudaRoute,
     DeviceMap,
@@ -543,14 +550,38 @@ class RpcAgent:
         peer = target.name
         name = label or function_name(func)
         call_id = next(self._ids)
-        request = dumps_request(
-            self, target.rank, (func, args or (), kwargs or {}), call_id=call_id, function=name
-        )
+        value = (func, args or (), kwargs or {})
+        # A plain value's payload; else reducers take part, and an Outgoing owns their effects.
+        request: bytes | Outgoing | None = dumps_plain(value)
+        if request is None:
+            request = dumps_request(self, target.rank, value, call_id=call_id, function=name)
         link = self._links.get(peer)
-        size = request.size
+        size = len(request) if isinstance(request, bytes) else request.size
         if size > (self.options.max_frame_size if link is None else link.max_send_size):
-            request.abandon()
+            if isinstance(request, Outgoing):
+                request.abandon()
             raise self._too_large(link, peer, name, size)
+        future = self._pend(call_id, peer, name, timeout)
+        meta = {"i": call_id, "f": name} if isinstance(request, bytes) else request.meta
+        context_values = carried()
+        if context_values:
+            meta["c"] = context_values
+        notices = self._notices.take(peer)
+        if isinstance(request, bytes):  # plain: nothing to undo or stage
+            meta[PLAIN] = True
+            if not notices and link is not None and peer not in self._backlog:
+                self._write_plain(link, call_id, meta, request)
+                return future
+            request = Outgoing(Kind.REQUEST, meta, request, function=name)
+        if notices:
+            request.carry(notices, functools.partial(self._notices.give_back, peer))
+        self._send(peer, request)
+        return future
+
+    def _pend(
+        self, call_id: int, peer: str, name: str, timeout: float | None
+    ) -> asyncio.Future[Any]:
+        """Record call ``call_id`` as pending, with its deadline; the future of its result."""
         call = PendingCall(
             self._loop.create_future(),
             peer,
@@ -565,14 +596,17 @@ class RpcAgent:
         self._pending[call_id] = call
         if call.timeout > 0:
             self._deadlines.add(call_id, call.timeout)
-        context_values = carried()
-        if context_values:
-            request.meta["c"] = context_values
-        notices = self._notices.take(peer)
-        if notices:
-            request.carry(notices, functools.partial(self._notices.give_back, peer))
-        self._send(peer, request)
         return call.future
+
+    def _write_plain(self, link: Link, call_id: int, meta: dict[str, Any], payload: bytes) -> None:
+        """Write a plain request that carries no notices (so nothing to undo or give back
+        if it never leaves: its call just fails, with the link's error)."""
+        try:
+            if link.closed:
+                raise PeerLostError(f"{link!r} was lost before the message was written")
+            link.send(_REQUEST, meta, payload, function=meta["f"])
+        except Exception as exc:
+            self._finish(call_id, error=exc)
 
     def _too_large(self, link: Link | None, peer: str, name: str, size: int) -> LocalProtocolError:
         """A call too large for the link's limits (ours alone while it is not dialed)."""
@@ -804,7 +838,9 @@ class RpcAgent:
         if call is None or call.peer != link.peer.name:
             return  # a late reply to a call that already timed out
         try:
-            value = loads_reply(self, link.peer.rank, frame.payload, frame.buffers)
+            value = loads_reply(
+                self, link.peer.rank, frame.payload, frame.buffers, plain=PLAIN in frame.meta
+            )
             if frame.kind == _RESPONSE:
                 self._finish(call_id, result=value)
             else:

@@ -65,19 +65,20 @@ from asyncrpc.agent.metrics import CallMetrics
 from asyncrpc.agent.outgoing import Outgoing
 from asyncrpc.agent.runner import Runner
 from asyncrpc.agent.spans import ServedSpan, profiling
-from asyncrpc.agent.transfer import apply_carried, carried
+from asyncrpc.agent.transfer import PLAIN, apply_carried, carried
 from asyncrpc.errors import (
     LocalProtocolError,
     RemoteError,
     RemoteProtocolError,
     SerializationError,
 )
-from asyncrpc.serde import is_plain
+from asyncrpc.serde import dumps_plain, is_plain
 from asyncrpc.transport import Link
 from asyncrpc.transport.flow import Parts
 from asyncrpc.wire import Frame, Kind
 
 log = logging.getLogger("asyncrpc.agent")
+_RESPONSE = int(Kind.RESPONSE)  # (an IntEnum member's lookup costs more, on every reply)
 calls_log = logging.getLogger("asyncrpc.agent.calls")  # failed calls, on the callee (INFO)
 
 # Seconds: framework compute that last took less runs on the loop (see Inbound.offload).
@@ -85,8 +86,8 @@ INLINE_BELOW = 1e-3
 
 
 class LoadsRequest(Protocol):
-    """A request's ``(func, args, kwargs)``; futures the call must not start before are
-    added to ``waits``."""
+    """A request's ``(func, args, kwargs)`` (``plain``: its header says ``PLAIN``); futures
+    the call must not start before are added to ``waits``."""
 
     def __call__(
         self,
@@ -94,6 +95,7 @@ class LoadsRequest(Protocol):
         payload: bytes | bytearray,
         buffers: Sequence[Any],
         *,
+        plain: bool,
         waits: list[asyncio.Future[Any]],
     ) -> Any: ...
 
@@ -210,17 +212,18 @@ class Inbound:
     # -- frames --------------------------------------------------------------------
 
     def on_request(self, link: Link, frame: Frame) -> None:
-        call_id = frame.meta.get("i")
+        meta = frame.meta
+        call_id = meta.get("i")
         if type(call_id) is not int:
             link.abort(RemoteProtocolError(f"request without a call id from {link.peer.name!r}"))
             return
-        call = IncomingCall(self, link, call_id, str(frame.meta.get("f", "?")), time.perf_counter())
+        call = IncomingCall(self, link, call_id, str(meta.get("f", "?")), time.perf_counter())
         if profiling():
             call.span = ServedSpan(call.function, link.peer.name, call_id)
         waits: list[asyncio.Future[Any]] = []
         try:
             func, args, kwargs = self._loads_request(
-                link.peer.rank, frame.payload, frame.buffers, waits=waits
+                link.peer.rank, frame.payload, frame.buffers, plain=PLAIN in meta, waits=waits
             )
         except Exception as exc:
             self._count(call, "error")
@@ -234,7 +237,7 @@ class Inbound:
             )
             return
         context = self._context.copy()
-        apply_carried(context, frame.meta.get("c"))
+        apply_carried(context, meta.get("c"))
         if waits:
             self._start_after(waits, call, lambda: self._start(call, context, func, args, kwargs))
         else:
@@ -396,6 +399,11 @@ class Inbound:
 
     def _send_result(self, call: IncomingCall, result: Any) -> None:
         try:
+            payload = self._plain_reply(call, result)
+            if payload is not None:  # nothing to undo or stage: written as it is
+                meta = {"i": call.call_id, PLAIN: True}
+                call.link.send(_RESPONSE, meta, payload, function=call.function)
+                return
             reply = self._reply_of(call, result)
             if not reply.ready:  # CUDA copies still running: send it once they are done
                 self._staging.add(self._loop.create_task(self._send_when_staged(call, reply)))
@@ -422,11 +430,21 @@ class Inbound:
                 call.link.peer.rank, result, call_id=call.call_id, function=call.function
             )
         except SerializationError as exc:
-            raise SerializationError(
-                f"worker {self.worker!r} cannot send the result of {call.function}: {exc}",
-                worker=self.worker,
-                function=call.function,
-            ) from exc
+            raise self._unsendable(call, exc) from exc
+
+    def _plain_reply(self, call: IncomingCall, result: Any) -> bytes | None:
+        """The payload of ``result`` if plain (``serde.dumps_plain``), else None."""
+        try:
+            return dumps_plain(result)
+        except SerializationError as exc:
+            raise self._unsendable(call, exc) from exc
+
+    def _unsendable(self, call: IncomingCall, exc: SerializationError) -> SerializationError:
+        return SerializationError(
+            f"worker {self.worker!r} cannot send the result of {call.function}: {exc}",
+            worker=self.worker,
+            function=call.function,
+        )
 
     def _reply_failure(self, call: IncomingCall, exc: BaseException) -> None:
         if isinstance(exc, asyncio.CancelledError):  # by the callee's own code

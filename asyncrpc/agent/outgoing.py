@@ -31,7 +31,7 @@ it: abandoned, and the link's error raised.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from asyncrpc.agent.notices import Notice
@@ -65,17 +65,18 @@ class Outgoing:
         kind: Kind,
         meta: dict[str, Any],
         payload: bytes = b"",
-        buffers: list[memoryview] | None = None,
+        buffers: Sequence[memoryview] = (),
         *,
         function: str = "?",
-        undo: list[Undo] | None = None,
+        undo: Sequence[Undo] = (),
     ) -> None:
+        # (Nothing allocated for what most messages lack: many are made.)
         self.kind = kind
         self.meta = meta  # the frame's header
         self.payload = payload
-        self.buffers = buffers if buffers is not None else []
+        self.buffers = buffers
         self.function = function  # the call it belongs to, named in errors
-        self._undo = undo if undo is not None else []  # owned from now on
+        self._undo = undo  # owned from now on
         self._notices: list[Notice] = []
         self._give_back: Callable[[list[Notice]], None] | None = None
         self._ended = False
@@ -157,9 +158,10 @@ class Outgoing:
         if self._ended:
             return
         self._ended = True
+        undo, self._undo = self._undo, ()
         try:
-            while self._undo:
-                self._undo.pop()()
+            for step in reversed(undo):
+                step()
         finally:
             if self._notices and self._give_back is not None:
                 self._give_back(self._notices)

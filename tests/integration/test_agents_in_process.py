@@ -343,7 +343,7 @@ def lambda_result() -> Any:
 
 
 async def test_a_pool_functions_plain_result_is_pickled_on_the_loop_and_a_tensor_in_the_pool(
-    pair: tuple[RpcAgent, RpcAgent],
+    pair: tuple[RpcAgent, RpcAgent], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Python in a pool thread costs several times what it costs on the loop, so a
     plain result (a few scalars) goes back to the loop as it is; a tensor, whose copy
@@ -351,13 +351,18 @@ async def test_a_pool_functions_plain_result_is_pickled_on_the_loop_and_a_tensor
     a, b = pair
     pickled_on: dict[str, int] = {}
     inbound = b._inbound
-    dumps_reply = inbound._dumps_reply
+    dumps_reply, plain_reply = inbound._dumps_reply, inbound._plain_reply
 
     def recording(peer_rank: int, result: Any, *, call_id: int, function: str) -> Any:
         pickled_on[function.rsplit(".", 1)[-1]] = threading.get_ident()
         return dumps_reply(peer_rank, result, call_id=call_id, function=function)
 
+    def recording_plain(call: Any, result: Any) -> bytes | None:
+        pickled_on[call.function.rsplit(".", 1)[-1]] = threading.get_ident()
+        return plain_reply(call, result)
+
     inbound._dumps_reply = recording
+    monkeypatch.setattr(inbound, "_plain_reply", recording_plain)
     assert await a.rpc_async("b", small_result, args=(3,)) == (3, "ok")
     assert torch.equal(await a.rpc_async("b", tensor_result, args=(2,)), torch.full((4,), 2.0))
     assert pickled_on["small_result"] == threading.get_ident()  # the loop's thread

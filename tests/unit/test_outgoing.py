@@ -10,10 +10,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from asyncrpc.agent.notices import Notices
 from asyncrpc.agent.outgoing import Outgoing
-from asyncrpc.agent.transfer import current_transfer, dumps_reply, dumps_request, loads_reply
+from asyncrpc.agent.transfer import (
+    PLAIN,
+    Transfer,
+    current_transfer,
+    dumps_reply,
+    dumps_request,
+    loads_reply,
+)
 from asyncrpc.errors import LocalProtocolError, PeerLostError
 from asyncrpc.wire import Kind
 
@@ -33,6 +41,17 @@ class Registers:
         log.append(f"+{self.name}")
         transfer.undo.append(lambda: log.append(f"-{self.name}"))
         return Registers, (self.name,)
+
+
+def _transfer_seen() -> Transfer | None:
+    return current_transfer()
+
+
+class AsksForTransfer:
+    """Unpickles as the transfer it was unpickled in (as an RRef's handle reads it)."""
+
+    def __reduce__(self) -> Any:
+        return _transfer_seen, ()
 
 
 class Unpicklable:
@@ -79,9 +98,25 @@ def test_a_request_and_a_reply_carry_their_call_in_the_header() -> None:
     message = request()
     assert (message.kind, message.meta, message.call_id) == (Kind.REQUEST, {"i": 7, "f": "f"}, 7)
     reply = dumps_reply(AGENT, 3, 42, call_id=7, function="f")
-    assert (reply.kind, reply.meta, reply.function) == (Kind.RESPONSE, {"i": 7}, "f")
-    assert loads_reply(AGENT, 3, reply.payload, reply.buffers) == 42
+    assert (reply.kind, reply.meta, reply.function) == (Kind.RESPONSE, {"i": 7, PLAIN: True}, "f")
+    assert loads_reply(AGENT, 3, reply.payload, reply.buffers, plain=True) == 42
     assert reply.size == len(reply.payload)
+
+
+def test_only_a_value_no_reducer_had_a_part_in_is_marked_plain() -> None:
+    assert PLAIN not in request().meta  # (its values register as they are pickled)
+    tensor = dumps_reply(AGENT, 3, torch.ones(2), call_id=7, function="f")
+    assert PLAIN not in tensor.meta
+    assert dumps_reply(AGENT, 3, {"loss": 0.5, "step": 3}, call_id=7, function="f").meta[PLAIN]
+
+
+def test_a_message_marked_plain_is_unpickled_without_a_transfer() -> None:
+    reply = dumps_reply(AGENT, 3, AsksForTransfer(), call_id=7, function="f")
+    seen = loads_reply(AGENT, 3, reply.payload, reply.buffers, plain=False)
+    assert isinstance(seen, Transfer) and (seen.agent, seen.peer_rank) == (AGENT, 3)
+    # A sender that marked it plain would have it rebuilt without one (an RRef's handle
+    # then raises that it can only be unpickled from a message).
+    assert loads_reply(AGENT, 3, reply.payload, reply.buffers, plain=True) is None
 
 
 def test_abandon_undoes_latest_first_and_only_once() -> None:
