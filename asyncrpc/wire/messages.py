@@ -12,9 +12,10 @@ Handshake (meta only: no payload, no buffers, never a pickle; the whole frame at
 
 Established::
 
-    REQUEST    {i: call id, f: function name for errors, c?: carried context, n?: notices}
+    REQUEST    {i: call id, f: function name for errors, c?: carried context, n?: notices,
+                p?: true when no reducer had a part in the payload (asyncrpc.agent.transfer)}
                payload = pickle((func, args, kwargs))
-    RESPONSE   {i}                                         payload = pickle(result)
+    RESPONSE   {i, p?}                                     payload = pickle(result)
     ERROR      {i}                                         payload = pickle(exception info)
     CANCEL     {i}          the caller gave up (timeout); the callee may stop the work
     SHUTDOWN   {rank, phase}  the sender reached barrier ``phase`` (1 or 2) of its graceful
