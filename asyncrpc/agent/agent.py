@@ -283,9 +283,10 @@ class RpcAgent:
         self._notices = Notices()
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Future[Any]] = set()
-        self._idle = asyncio.Event()  # no call of ours pending
+        # Set when no call of ours is pending, for whoever waits for that (shutdown):
+        # made on demand, so that a call costs no Event.set and clear.
+        self._idle: asyncio.Future[None] | None = None
         self.store: object = None  # the rendezvous store, kept alive (it may host a TCPStore)
-        self._idle.set()
         self._shutdown: ShutdownBarrier[Link] = ShutdownBarrier(())  # with the peers: join()
         self._phase_passed = {phase: asyncio.Event() for phase in PHASES}
         # Frames that arrive before join(): a peer that finished the rendezvous first may
@@ -410,15 +411,22 @@ class RpcAgent:
 
     async def _arrive(self) -> None:
         """Our calls are done and every live peer has called shutdown."""
-        await self._idle.wait()  # each call is bounded by its own timeout
+        await self._calls_ended()  # each call is bounded by its own timeout
         await self._barrier(1)  # a peer that dies is skipped
 
     async def _depart(self) -> None:
         """Extensions release what peers share; then all meet again and may close."""
         for extension in list(self._extensions.values()):
             await extension.drain()
-        await self._idle.wait()
+        await self._calls_ended()
         await self._barrier(2)
+
+    async def _calls_ended(self) -> None:
+        """Until no call of ours is pending."""
+        if self._pending:
+            if self._idle is None:
+                self._idle = self._loop.create_future()
+            await asyncio.shield(self._idle)  # (one waiter's cancellation is its own)
 
     async def _arrive_and_depart(self) -> None:
         await self._arrive()
@@ -591,8 +599,6 @@ class RpcAgent:
         )
         if spans.profiling():
             call.span = spans.begin_call(name, peer, call_id, self.info.name)
-        if not self._pending:
-            self._idle.clear()
         self._pending[call_id] = call
         if call.timeout > 0:
             self._deadlines.add(call_id, call.timeout)
@@ -827,8 +833,9 @@ class RpcAgent:
                 call.future.set_result(result)
             else:
                 call.future.set_exception(error)
-        if not self._pending:
-            self._idle.set()
+        if not self._pending and self._idle is not None:
+            self._idle.set_result(None)
+            self._idle = None
 
     def _on_reply(self, link: Link, frame: Frame) -> None:
         call_id = frame.meta.get("i")

@@ -211,7 +211,10 @@ def _plain(value: Any, depth: int) -> bool:
     elif (kind is not tuple and kind is not list) or len(value) > _PLAIN_ITEMS:
         return False
     for item in value:
-        if type(item) not in _PLAIN_TYPES and not _plain(item, depth + 1):
+        kind = type(item)
+        if kind in _PLAIN_TYPES or ((kind is tuple or kind is dict) and not item):
+            continue  # (an empty call's args and kwargs, without a call each)
+        if not _plain(item, depth + 1):
             return False
     return True
 

@@ -703,6 +703,7 @@ PLAIN_VALUES = [
     (_module_function, (1, "a", None), {"k": 2.0}),
     [1, [2, 3], {"a": 4}],
     {"nested": {"a": 1}},
+    [[()], {}],  # empty containers are plain at any depth
 ]
 
 
