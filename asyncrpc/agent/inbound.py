@@ -16,7 +16,8 @@ extra time holding the GIL costs the loop, which waits for it (pipelined no-ops
 in-process: 47 µs a call pickled in the pool, 36 on the loop), so it goes back
 as it is.
 The result of a call run on the loop, or a plain one, is serialised in the
-completion, and ``Link.send`` has large buffers copied into shared memory off
+completion (a plain one, marked plain, straight onto the link: it has nothing to
+undo or stage), and ``Link.send`` has large buffers copied into shared memory off
 the loop.
 
 :meth:`Inbound.invoke` runs a function by the same placement rules, through the
