@@ -17,7 +17,8 @@ one loop timer for all of them), and writes the request
 request is an :class:`~asyncrpc.agent.outgoing.Outgoing`: if it never leaves,
 what its serialisation did is undone and the notices it carried go first with
 what follows.  A plain request (see :mod:`asyncrpc.agent.transfer`) has nothing
-to undo: with no notices to carry and its link up, it is written as it is.  Tensor bytes are never copied on the loop: a large buffer for
+to undo: with no notices to carry and its link up, it is written as it is.
+Tensor bytes are never copied on the loop: a large buffer for
 a same-host peer is copied into shared memory by the Link's copier threads, in
 order with the link's other messages, within this worker's shared-memory
 budget (``shared_memory_budget``; beyond it the bytes go through the socket).
