@@ -80,14 +80,17 @@ def describe(fn: Any) -> tuple[Placement, str]:
     """Where ``fn`` runs and its readable name; cached for plain functions and builtins,
     and so for Python methods, which run as their function would (not for bound builtin
     methods such as ``tensor.add_``: the cache would keep their object alive)."""
+    try:
+        cached = _placements.get(fn)  # (only cacheable callables are ever kept)
+    except TypeError:  # an unhashable callable object
+        cached = None
+    if cached is not None:
+        return cached
     if isinstance(fn, types.MethodType):  # a Python method runs as its function would
         return describe(fn.__func__)
     cacheable = isinstance(fn, _CACHEABLE) and isinstance(
         getattr(fn, "__self__", None), (types.ModuleType, type(None))
     )
-    cached = _placements.get(fn) if cacheable else None
-    if cached is not None:
-        return cached
     found = (_placement(fn), function_name(fn))
     if cacheable:
         _placements[fn] = found
@@ -107,9 +110,24 @@ def _placement(fn: Any) -> Placement:
     return Placement.THREAD
 
 
+_NAMES_KEPT = 1024  # names of Python functions kept (forgotten all at once past this)
+_names: dict[types.FunctionType, str] = {}
+
+
 def function_name(fn: Any) -> str:
     """A readable ``module.qualname`` for error messages (or the ``rpc_name`` a callable
-    object gives itself)."""
+    object gives itself); a Python function's is kept (a caller names every call)."""
+    if type(fn) is not types.FunctionType:
+        return _name_of(fn)
+    name = _names.get(fn)
+    if name is None:
+        if len(_names) >= _NAMES_KEPT:
+            _names.clear()
+        name = _names[fn] = _name_of(fn)
+    return name
+
+
+def _name_of(fn: Any) -> str:
     own = getattr(fn, "rpc_name", None)
     if isinstance(own, str):
         return own

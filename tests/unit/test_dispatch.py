@@ -57,3 +57,33 @@ def test_python_methods_run_as_their_functions_and_are_not_kept_alive() -> None:
     del service
     gc.collect()
     assert alive() is None  # the cache holds the functions, not the instance
+
+
+class UnhashableCallable:
+    __hash__ = None  # type: ignore[assignment]
+
+    async def __call__(self) -> int:
+        return 3
+
+
+def test_an_unhashable_callable_is_described_every_time_without_a_cache() -> None:
+    callable_object = UnhashableCallable()
+    assert describe(callable_object) == describe(callable_object)
+    assert describe(callable_object)[0] is Placement.LOOP
+
+
+def test_the_names_kept_of_python_functions_are_bounded(monkeypatch: Any) -> None:
+    monkeypatch.setattr(dispatch, "_names", {})
+    monkeypatch.setattr(dispatch, "_NAMES_KEPT", 3)
+
+    def make(index: int) -> Any:
+        def named() -> int:
+            return index
+
+        return named
+
+    made = [make(i) for i in range(5)]  # (closures: each call of make() a new function)
+    names = [dispatch.function_name(fn) for fn in made]
+    assert names == [f"{__name__}.{make.__qualname__}.<locals>.named"] * 5
+    assert len(dispatch._names) <= 3
+    assert dispatch.function_name(made[4]) is dispatch._names[made[4]]  # kept
