@@ -70,7 +70,7 @@ class Outgoing:
         function: str = "?",
         undo: Sequence[Undo] = (),
     ) -> None:
-        # (Nothing allocated for what most messages lack: many are made.)
+        # (No list made for the buffers and undo steps most messages lack.)
         self.kind = kind
         self.meta = meta  # the frame's header
         self.payload = payload
