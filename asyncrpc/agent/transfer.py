@@ -31,8 +31,9 @@ written once they have fired.
 A message no reducer has a part in (``serde.dumps_plain``: a call of scalars, a
 ``None`` reply) has nothing to undo, stage or attach: it says so with ``PLAIN`` in its
 header, and its receiver unpickles it without a :class:`Transfer` (nothing in it asks for
-one; a reducer that would finds none and raises).  Most small calls and their replies
-are plain, and skip ~1 µs a message here (the Transfer and its context variable).
+one; a reducer that asked would find none, and an RRef's then raises).  Most small
+calls and their replies are plain, and skip ~1 µs a message here (the Transfer and its
+context variable).
 
 Context variables registered with :func:`propagate` travel with every request
 (in the frame's header) and are set while the called function runs:
