@@ -91,7 +91,7 @@ from asyncrpc.agent.dispatch import function_name, unpack_error
 from asyncrpc.agent.inbound import Inbound
 from asyncrpc.agent.metrics import call_metrics, outcome_of
 from asyncrpc.agent.notices import Notice, Notices, delivered, handle
-from asyncrpc.agent.outgoing import Outgoing
+from asyncrpc.agent.outgoing import Outgoing, send_unless_lost
 from asyncrpc.agent.polling import BusyPoller
 from asyncrpc.agent.routes import Routes
 from asyncrpc.agent.shutdown import (
@@ -610,9 +610,7 @@ class RpcAgent:
         """Write a plain request that carries no notices (so nothing to undo or give back
         if it never leaves: its call just fails, with the link's error)."""
         try:
-            if link.closed:
-                raise PeerLostError(f"{link!r} was lost before the message was written")
-            link.send(_REQUEST, meta, payload, function=meta["f"])
+            send_unless_lost(link, _REQUEST, meta, payload, function=meta["f"])
         except Exception as exc:
             self._finish(call_id, error=exc)
 

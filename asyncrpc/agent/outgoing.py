@@ -124,9 +124,9 @@ class Outgoing:
         """Hand it to ``link`` (loop thread only): then it is sent.  If the link refuses
         it (too large, or lost), it is abandoned and the link's error raised."""
         try:
-            if link.closed:
-                raise PeerLostError(f"{link!r} was lost before the message was written")
-            link.send(self.kind, self.meta, self.payload, self.buffers, function=self.function)
+            send_unless_lost(
+                link, self.kind, self.meta, self.payload, self.buffers, function=self.function
+            )
         except BaseException:
             self.abandon()
             raise
@@ -165,3 +165,19 @@ class Outgoing:
         finally:
             if self._notices and self._give_back is not None:
                 self._give_back(self._notices)
+
+
+def send_unless_lost(
+    link: Link,
+    kind: int,
+    meta: dict[str, Any],
+    payload: bytes,
+    buffers: Sequence[memoryview] = (),
+    *,
+    function: str,
+) -> None:
+    """``link.send`` (loop thread only), refused with ``PeerLostError`` once the link
+    is lost: for an :class:`Outgoing`, and for a plain message that needs none."""
+    if link.closed:
+        raise PeerLostError(f"{link!r} was lost before the message was written")
+    link.send(kind, meta, payload, buffers, function=function)
