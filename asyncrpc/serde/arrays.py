@@ -4,10 +4,10 @@ Theory of operation
 -------------------
 numpy pickles an array (protocol 5) as a ``PickleBuffer`` of its memory, which
 the receiving side must be able to read as bytes.  Ours receives buffers as
-fresh tensor storage or shared-memory mappings, so instead an array of a dtype
+fresh memory or shared-memory mappings, so instead an array of a dtype
 torch shares memory with is reduced through ``torch.from_numpy`` (no copy) to
-the tensor path, and rebuilt on arrival as the array over the received storage
-(``Tensor.numpy()``, no copy either).  Any other array (object, string, date,
+the tensor path, and rebuilt on arrival as the array over the received memory
+(by numpy alone where it has the dtype, no copy either).  Any other array (object, string, date,
 long double, non-native byte order dtypes) keeps numpy's own reduction; its
 buffer then travels inside the pickle stream (see :mod:`asyncrpc.serde.pickler`).
 """
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncrpc.serde.tensors import TensorMeta, load_tensor
+from asyncrpc.serde.tensors import TensorMeta, load_tensor, numpy_view
 
 
 def reduce_ndarray(array: np.ndarray[Any, Any], reduce_tensor: Any) -> Any:
@@ -46,5 +46,7 @@ def _as_tensor(array: np.ndarray[Any, Any]) -> torch.Tensor:
 
 
 def load_ndarray(meta: TensorMeta, buffer: Any) -> np.ndarray[Any, Any]:
-    """Rebuild an array over the buffer its bytes were received into."""
-    return load_tensor(meta, buffer).numpy()
+    """Rebuild an array over the buffer its bytes were received into (by numpy alone
+    where it can: no call into torch)."""
+    array = numpy_view(meta, buffer)
+    return load_tensor(meta, buffer).numpy() if array is None else array

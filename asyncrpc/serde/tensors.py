@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import ctypes
 import math
-from typing import Any
+from typing import Any, Final
 
+import numpy as np
 import torch
 
 from asyncrpc.errors import SerializationError
@@ -37,6 +38,36 @@ _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
 }
 _DTYPE_NAMES: dict[torch.dtype, str] = {d: name for name, d in _DTYPES.items()}
+
+
+def _numpy_dtypes() -> dict[str, np.dtype[Any]]:
+    """Our dtype names that numpy has, each with the numpy dtype ``torch.from_numpy``
+    makes a tensor of that dtype of."""
+    found = {}
+    for name, torch_dtype in _DTYPES.items():
+        try:
+            dtype = np.dtype(name)
+        except TypeError:  # bfloat16, float8_*, qint8, ...: numpy has none
+            continue
+        if torch.from_numpy(np.empty(0, dtype)).dtype == torch_dtype:
+            found[name] = dtype
+    return found
+
+
+_NUMPY_DTYPES: Final = _numpy_dtypes()
+
+
+def _lazy_bits() -> int | None:
+    """The dispatch keys of a tensor's lazy conjugate and negative bits, as a mask of
+    ``DispatchKeySet.raw_repr()`` (None where this torch does not expose them)."""
+    try:
+        keys, key = torch._C.DispatchKeySet, torch._C.DispatchKey
+        return int(keys(key.Conjugate).raw_repr() | keys(key.Negative).raw_repr())
+    except (AttributeError, TypeError):
+        return None
+
+
+_LAZY_BITS = _lazy_bits()
 
 
 def byte_view(tensor: torch.Tensor, nbytes: int) -> memoryview:
@@ -88,8 +119,13 @@ def dump_tensor(tensor: torch.Tensor) -> tuple[TensorMeta, memoryview] | None:
 
 def _resolved(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``, or a copy with its lazy conjugate and negative bits applied (they are
-    not in its bytes)."""
-    if tensor.is_conj() or tensor.is_neg():
+    not in its bytes).  Read from its dispatch keys: ``is_conj()`` and ``is_neg()``
+    release the GIL."""
+    if _LAZY_BITS is None:
+        lazy = tensor.is_conj() or tensor.is_neg()
+    else:
+        lazy = bool(torch._C._dispatch_keys(tensor).raw_repr() & _LAZY_BITS)
+    if lazy:
         return tensor.detach().resolve_conj().resolve_neg()
     return tensor
 
@@ -131,6 +167,9 @@ def load_tensor(meta: TensorMeta, buffer: Any) -> torch.Tensor:
     dtype = _DTYPES.get(dtype_name)
     if dtype is None:
         raise SerializationError(f"unknown tensor dtype {dtype_name!r}")
+    array = numpy_view(meta, buffer)
+    if array is not None:  # one call into torch (each releases the GIL)
+        return _with_grad(torch.from_numpy(array), requires_grad, is_parameter)
     raw = _as_uint8(buffer)
     if device != "cpu" and raw.device.type == "cpu":
         raw = cuda.upload(raw, device) if raw.numel() else raw.to(cuda.device_of(device))
@@ -138,9 +177,28 @@ def load_tensor(meta: TensorMeta, buffer: Any) -> torch.Tensor:
         tensor = torch.empty_strided(shape, stride, dtype=dtype, device=raw.device)
     else:
         tensor = raw.view(dtype).as_strided(shape, stride)
+    return _with_grad(tensor, requires_grad, is_parameter)
+
+
+def _with_grad(tensor: torch.Tensor, requires_grad: bool, is_parameter: bool) -> torch.Tensor:
     if is_parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     return tensor.requires_grad_(requires_grad) if requires_grad else tensor
+
+
+def numpy_view(meta: TensorMeta, buffer: Any) -> np.ndarray[Any, Any] | None:
+    """The array ``meta`` describes over ``buffer``, built by numpy alone (it keeps the
+    GIL); None for a buffer that is a tensor or read-only, a dtype numpy does not have,
+    or a tensor that is not for this process's memory or has no elements."""
+    dtype_name, shape, stride, _, device, _ = meta
+    dtype = _NUMPY_DTYPES.get(dtype_name)
+    if dtype is None or device != "cpu" or 0 in shape or isinstance(buffer, torch.Tensor):
+        return None
+    array = buffer if type(buffer) is np.ndarray else np.frombuffer(buffer, np.uint8)
+    if not array.flags.writeable:
+        return None
+    strides = [step * dtype.itemsize for step in stride]
+    return np.ndarray(shape, dtype, array, 0, strides)
 
 
 def _as_uint8(buffer: Any) -> torch.Tensor:
@@ -156,7 +214,8 @@ def load_ipc_tensor(meta: TensorMeta, shared: cuda.Shared) -> torch.Tensor:
     return load_tensor(meta, cuda.load_shared(shared, meta[4]))
 
 
-def allocate_tensor_storage(nbytes: int) -> tuple[torch.Tensor, memoryview]:
-    """Wire allocator: fresh uint8 tensor storage, and a byte view the kernel can fill."""
-    storage = torch.empty(nbytes, dtype=torch.uint8)
-    return storage, byte_view(storage, nbytes)
+def allocate_tensor_storage(nbytes: int) -> tuple[np.ndarray[Any, Any], memoryview]:
+    """Wire allocator: fresh host memory (a numpy byte array: ``torch.empty`` would
+    release the GIL), and a byte view the kernel can fill."""
+    storage = np.empty(nbytes, np.uint8)
+    return storage, memoryview(storage.data)

@@ -457,6 +457,32 @@ def test_negative_view_round_trip() -> None:
     assert torch.equal(got, t)
 
 
+def test_lazy_bits_of_a_detached_tensor_are_applied() -> None:
+    """``detach()`` keeps a negative bit but makes no view: the bits are read from the
+    dispatch keys, not from whether the tensor is a view."""
+    t = torch.tensor([1 + 2j, 3 - 4j]).conj().imag.detach()
+    assert t.is_neg() and not t._is_view()
+    got = round_trip(t)
+    assert not got.is_neg()
+    assert got.tolist() == [-2.0, 4.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.bfloat16], ids=str)
+def test_received_tensor_is_writable_and_owns_its_bytes(dtype: torch.dtype) -> None:
+    """numpy builds the tensor where it has the dtype (one call into torch, which
+    releases the GIL), torch where it has not (bfloat16); either way the receiver may
+    write to what it got without touching the sender's tensor."""
+    t = torch.arange(12, dtype=dtype).reshape(3, 4).t()
+    payload, buffers = dumps(t)
+    received = receive(buffers)
+    got = loads(payload, received)
+    assert_same_tensor(got, t)
+    assert got.stride() == t.stride()
+    got.add_(1)
+    assert torch.equal(got, t + 1)
+    assert torch.equal(t, torch.arange(12, dtype=dtype).reshape(3, 4).t())
+
+
 def _sparse_forms() -> dict[str, torch.Tensor]:
     dense = torch.arange(24, dtype=torch.float32).reshape(4, 6) % 5 - 2  # zeros among them
     uncoalesced = torch.sparse_coo_tensor(
