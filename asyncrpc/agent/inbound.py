@@ -213,6 +213,8 @@ class Inbound:
     # -- frames --------------------------------------------------------------------
 
     def on_request(self, link: Link, frame: Frame) -> None:
+        if link not in self._links:  # dropped while requests were still queued on it:
+            return  # nothing runs for it any more, and its caller's calls fail with it
         meta = frame.meta
         call_id = meta.get("i")
         if type(call_id) is not int:

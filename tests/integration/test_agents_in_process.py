@@ -133,6 +133,28 @@ async def test_pending_calls_fail_when_the_peer_goes_away(
     assert a.debug_info()["pending_outgoing_calls"] == 0
 
 
+def plain_noop() -> None:
+    pass
+
+
+async def test_requests_still_queued_when_the_callee_shuts_down_fail_cleanly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A link hands up a few frames a loop turn: requests still queued on it when the
+    callee shuts down are dropped (its caller's calls fail with the link), not run
+    against a link the callee forgot, which raised KeyError and logged an internal
+    error."""
+    async with joined_agents("ab", AgentOptions(rpc_timeout=10)) as (a, b):
+        calls = [a.rpc_async("b", plain_noop) for _ in range(600)]
+        while not any(call.done() for call in calls):
+            await asyncio.sleep(0)
+        await b.shutdown(graceful=False)
+        outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 5)
+    assert {type(o) for o in outcomes} <= {type(None), PeerLostError}
+    assert any(o is None for o in outcomes) and any(o is not None for o in outcomes)
+    assert not [r for r in caplog.records if "internal error" in r.getMessage()]
+
+
 async def test_large_tensors_use_shared_memory_and_release_it(
     pair: tuple[RpcAgent, RpcAgent],
 ) -> None:
