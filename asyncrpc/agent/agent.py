@@ -151,13 +151,13 @@ from asyncrpc.transport import (
 )
 from asyncrpc.transport.storage import StoragePool
 from asyncrpc.wire import DEFAULT_MAX_FRAME_SIZE, Frame, Handshake, Identity, Kind, Role
+from asyncrpc.wire.messages import ERROR, REQUEST, RESPONSE
 
 log = logging.getLogger("asyncrpc.agent")
 DEFAULT_BUSY_POLL = 300e-6  # seconds; see asyncrpc.agent.polling
 # Kinds every frame is compared with, as plain ints (an IntEnum member's lookup costs
 # several times an int's, on every frame).
-_REQUEST, _RESPONSE = int(Kind.REQUEST), int(Kind.RESPONSE)
-_REPLIES = frozenset((_RESPONSE, int(Kind.ERROR)))
+_REPLIES = frozenset((RESPONSE, ERROR))
 _current: contextvars.ContextVar[RpcAgent] = contextvars.ContextVar("asyncrpc_agent")
 
 
@@ -610,7 +610,7 @@ class RpcAgent:
         """Write a plain request that carries no notices (so nothing to undo or give back
         if it never leaves: its call just fails, with the link's error)."""
         try:
-            send_unless_lost(link, _REQUEST, meta, payload, function=meta["f"])
+            send_unless_lost(link, REQUEST, meta, payload, function=meta["f"])
         except Exception as exc:
             self._finish(call_id, error=exc)
 
@@ -848,7 +848,7 @@ class RpcAgent:
             value = loads_reply(
                 self, link.peer.rank, frame.payload, frame.buffers, plain=PLAIN in frame.meta
             )
-            if frame.kind == _RESPONSE:
+            if frame.kind == RESPONSE:
                 self._finish(call_id, result=value)
             else:
                 self._finish(call_id, error=unpack_error(value))
@@ -897,7 +897,7 @@ class RpcAgent:
         if notices is not None:
             handle(self, link.peer.rank, notices)
         kind = frame.kind
-        if kind == _REQUEST:
+        if kind == REQUEST:
             self._inbound.on_request(link, frame)
         elif kind in _REPLIES:
             self._on_reply(link, frame)

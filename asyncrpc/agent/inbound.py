@@ -77,9 +77,9 @@ from asyncrpc.serde import dumps_plain, is_plain
 from asyncrpc.transport import Link
 from asyncrpc.transport.flow import Parts
 from asyncrpc.wire import Frame, Kind
+from asyncrpc.wire.messages import RESPONSE
 
 log = logging.getLogger("asyncrpc.agent")
-_RESPONSE = int(Kind.RESPONSE)  # (an IntEnum member's lookup costs more, on every reply)
 calls_log = logging.getLogger("asyncrpc.agent.calls")  # failed calls, on the callee (INFO)
 
 # Seconds: framework compute that last took less runs on the loop (see Inbound.offload).
@@ -405,7 +405,7 @@ class Inbound:
             payload = self._plain_reply(call, result)
             if payload is not None:  # nothing to undo or stage: written as it is
                 meta = {"i": call.call_id, PLAIN: True}
-                call.link.send(_RESPONSE, meta, payload, function=call.function)
+                call.link.send(RESPONSE, meta, payload, function=call.function)
                 return
             reply = self._reply_of(call, result)
             if not reply.ready:  # CUDA copies still running: send it once they are done

@@ -29,11 +29,13 @@ events that say they are done go into ``Outgoing.staged``, and the message is
 written once they have fired.
 
 A message no reducer has a part in (``serde.dumps_plain``: a call of scalars, a
-``None`` reply) has nothing to undo, stage or attach: it says so with ``PLAIN`` in its
-header, and its receiver unpickles it without a :class:`Transfer` (nothing in it asks for
-one; a reducer that asked would find none, and an RRef's then raises).  Most small
-calls and their replies are plain, and skip ~1 µs a message here (the Transfer and its
-context variable).
+``None`` reply) has nothing to undo, stage or attach.  Its sender pickles it with
+``dumps_plain`` and writes it as it is, without coming here: it says so with ``PLAIN``
+in its header, and its receiver unpickles it without a :class:`Transfer` (nothing in
+it asks for one; a reducer that asked would find none, and an RRef's then raises).
+Most small calls and their replies are plain, and skip ~1 µs a message here (the
+Transfer and its context variable).  ``dumps_request`` and ``dumps_reply`` are for
+the others: given a plain value they still work, only without the mark.
 
 Context variables registered with :func:`propagate` travel with every request
 (in the frame's header) and are set while the called function runs:
@@ -49,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from asyncrpc.agent.outgoing import Outgoing, Undo
-from asyncrpc.serde import cuda, dumps, dumps_plain, loads
+from asyncrpc.serde import cuda, dumps, loads
 from asyncrpc.wire import Kind
 
 
@@ -158,9 +160,6 @@ def dumps_reply(agent: Any, peer_rank: int, value: Any, *, call_id: int, functio
 
 def _dumps(agent: Any, peer_rank: int, request: bool, function: str, value: Any) -> Outgoing:
     kind = Kind.REQUEST if request else Kind.RESPONSE
-    payload = dumps_plain(value)
-    if payload is not None:  # no reducer had a part in it: nothing to undo or stage
-        return Outgoing(kind, {PLAIN: True}, payload, function=function)
     transfer = Transfer(agent, peer_rank, request, function=function)
     token = _transfer.set(transfer)
     try:

@@ -54,6 +54,12 @@ class Kind(IntEnum):
     STRIPES = 18
 
 
+REQUEST: Final = int(Kind.REQUEST)
+"""The per-call kinds as plain ints: comparing with an IntEnum member, or passing one,
+costs an attribute lookup on every message."""
+RESPONSE: Final = int(Kind.RESPONSE)
+ERROR: Final = int(Kind.ERROR)
+
 KNOWN_KINDS: Final = frozenset(int(k) for k in Kind)
 HANDSHAKE_KINDS: Final = frozenset({Kind.HELLO, Kind.CHALLENGE, Kind.AUTH, Kind.WELCOME})
 ESTABLISHED_KINDS: Final = KNOWN_KINDS - HANDSHAKE_KINDS

@@ -27,6 +27,7 @@ from asyncrpc.agent import (
     current_agent,
     inbound,
 )
+from asyncrpc.agent.transfer import PLAIN
 from asyncrpc.errors import LocalProtocolError, SerializationError
 from asyncrpc.transport import NETWORK, Link
 from tests.in_process import SECRET, joined_agents
@@ -389,6 +390,35 @@ async def test_a_pool_functions_plain_result_is_pickled_on_the_loop_and_a_tensor
     assert torch.equal(await a.rpc_async("b", tensor_result, args=(2,)), torch.full((4,), 2.0))
     assert pickled_on["small_result"] == threading.get_ident()  # the loop's thread
     assert pickled_on["tensor_result"] != threading.get_ident()  # a pool thread
+
+
+async def test_plain_requests_and_replies_are_marked_plain_and_others_are_not(
+    pair: tuple[RpcAgent, RpcAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a message no reducer had a part in says PLAIN in its header (its receiver
+    then unpickles it without a Transfer); a tensor's message does not."""
+    a, b = pair
+    marked: list[tuple[str, bool]] = []
+    on_request, on_reply = b._inbound.on_request, a._on_reply
+
+    def recording_request(link: Link, frame: Any) -> None:
+        marked.append(("request", PLAIN in frame.meta))
+        on_request(link, frame)
+
+    def recording_reply(link: Link, frame: Any) -> None:
+        marked.append(("reply", PLAIN in frame.meta))
+        on_reply(link, frame)
+
+    monkeypatch.setattr(b._inbound, "on_request", recording_request)
+    monkeypatch.setattr(a, "_on_reply", recording_reply)
+    assert await a.rpc_async("b", small_result, args=(3,)) == (3, "ok")
+    assert marked == [("request", True), ("reply", True)]
+    marked.clear()
+    assert torch.equal(await a.rpc_async("b", tensor_result, args=(2,)), torch.full((4,), 2.0))
+    assert marked == [("request", True), ("reply", False)]
+    marked.clear()
+    assert await a.rpc_async("b", torch.numel, args=(torch.ones(3),)) == 3
+    assert marked == [("request", False), ("reply", True)]
 
 
 async def test_an_unpicklable_plain_result_fails_its_call_naming_it_and_the_worker_serves_on(

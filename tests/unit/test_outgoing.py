@@ -97,17 +97,23 @@ def request(notices: Notices | None = None, *carried: str) -> Outgoing:
 def test_a_request_and_a_reply_carry_their_call_in_the_header() -> None:
     message = request()
     assert (message.kind, message.meta, message.call_id) == (Kind.REQUEST, {"i": 7, "f": "f"}, 7)
-    reply = dumps_reply(AGENT, 3, 42, call_id=7, function="f")
-    assert (reply.kind, reply.meta, reply.function) == (Kind.RESPONSE, {"i": 7, PLAIN: True}, "f")
-    assert loads_reply(AGENT, 3, reply.payload, reply.buffers, plain=True) == 42
-    assert reply.size == len(reply.payload)
+    reply = dumps_reply(AGENT, 3, torch.ones(2), call_id=7, function="f")
+    assert (reply.kind, reply.meta, reply.function) == (Kind.RESPONSE, {"i": 7}, "f")
+    assert torch.equal(
+        loads_reply(AGENT, 3, reply.payload, reply.buffers, plain=False), torch.ones(2)
+    )
+    assert reply.size == len(reply.payload) + 8
 
 
-def test_only_a_value_no_reducer_had_a_part_in_is_marked_plain() -> None:
-    assert PLAIN not in request().meta  # (its values register as they are pickled)
-    tensor = dumps_reply(AGENT, 3, torch.ones(2), call_id=7, function="f")
-    assert PLAIN not in tensor.meta
-    assert dumps_reply(AGENT, 3, {"loss": 0.5, "step": 3}, call_id=7, function="f").meta[PLAIN]
+def test_a_plain_value_given_here_is_sent_unmarked() -> None:
+    """Senders write plain values themselves (``dumps_plain``, marked PLAIN); one given
+    here all the same goes the full way, only slower."""
+    reply = dumps_reply(AGENT, 3, {"loss": 0.5, "step": 3}, call_id=7, function="f")
+    assert PLAIN not in reply.meta
+    assert loads_reply(AGENT, 3, reply.payload, reply.buffers, plain=False) == {
+        "loss": 0.5,
+        "step": 3,
+    }
 
 
 def test_a_message_marked_plain_is_unpickled_without_a_transfer() -> None:
