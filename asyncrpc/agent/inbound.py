@@ -64,7 +64,7 @@ from typing import Any, Protocol
 from asyncrpc.agent.dispatch import Placement, as_exception, describe, pack_error
 from asyncrpc.agent.metrics import CallMetrics
 from asyncrpc.agent.outgoing import Outgoing
-from asyncrpc.agent.runner import Runner
+from asyncrpc.agent.runner import Runner, cancel_call
 from asyncrpc.agent.spans import ServedSpan, profiling
 from asyncrpc.agent.transfer import PLAIN, apply_carried, carried
 from asyncrpc.errors import (
@@ -183,7 +183,7 @@ class Inbound:
         calls = self._links.pop(link, None)
         for future in calls.running.values() if calls else ():
             if future is not None:
-                future.cancel()
+                cancel_call(future)
 
     def link_from(self, name: str) -> Link | None:
         """An open link worker ``name`` dialed to us, if any."""
@@ -255,7 +255,7 @@ class Inbound:
         future = calls.running.pop(frame.meta["i"])
         assert future is not None
         self._apply_backpressure(link)
-        future.cancel()
+        cancel_call(future)
 
     # -- running -------------------------------------------------------------------
 
@@ -520,4 +520,4 @@ def _resolve(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
 
 def _cancel_with(cancel: asyncio.Future[Any], future: asyncio.Future[Any]) -> None:
     if future.cancelled():
-        cancel.cancel()
+        cancel_call(cancel)

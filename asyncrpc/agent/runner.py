@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import inspect
 import logging
 import threading
 import time
@@ -51,6 +52,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Hashable
 from dataclasses import dataclass
 from functools import partial
+from inspect import CORO_CREATED
 from types import CoroutineType
 from typing import Any
 
@@ -234,6 +236,18 @@ async def _complete_when_finished(coroutine: Coroutine[Any, Any, Any], done: Don
             raise
         return
     done(True, result)
+
+
+def cancel_call(handle: asyncio.Future[Any]) -> None:
+    """Cancel a running call by what ``Runner.run`` returned for it.  A task cancelled
+    before its first step never starts the call's coroutine, which would then be
+    reported as never awaited when collected: that coroutine is closed here instead."""
+    handle.cancel()
+    wrapper = handle.get_coro() if isinstance(handle, asyncio.Task) else None
+    if inspect.iscoroutine(wrapper) and inspect.getcoroutinestate(wrapper) == CORO_CREATED:
+        call = inspect.getcoroutinelocals(wrapper).get("coroutine")
+        if inspect.iscoroutine(call):
+            call.close()
 
 
 def _complete_from(done: Done, future: asyncio.Future[Any]) -> None:

@@ -138,15 +138,20 @@ def plain_noop() -> None:
     pass
 
 
+async def coroutine_noop() -> None:
+    pass
+
+
+@pytest.mark.parametrize("function", [plain_noop, coroutine_noop], ids=["plain", "coroutine"])
 async def test_requests_still_queued_when_the_callee_shuts_down_fail_cleanly(
-    caplog: pytest.LogCaptureFixture,
+    function: Callable[[], Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     """A link hands up a few frames a loop turn: requests still queued on it when the
     callee shuts down are dropped (its caller's calls fail with the link), not run
     against a link the callee forgot, which raised KeyError and logged an internal
     error."""
     async with joined_agents("ab", AgentOptions(rpc_timeout=10)) as (a, b):
-        calls = [a.rpc_async("b", plain_noop) for _ in range(600)]
+        calls = [a.rpc_async("b", function) for _ in range(600)]
         while not any(call.done() for call in calls):
             await asyncio.sleep(0)
         await b.shutdown(graceful=False)

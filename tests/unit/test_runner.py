@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import contextvars
+import inspect
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -170,6 +171,30 @@ async def test_a_cancelled_task_completes_as_cancelled(pool_runner: Runner) -> N
     cancel.cancel()
     ok, value, context = await done.outcome()
     assert (ok, type(value), context) == (False, asyncio.CancelledError, "inside")
+
+
+async def test_a_task_cancelled_before_its_first_step_closes_the_calls_coroutine(
+    pool_runner: Runner,
+) -> None:
+    """A call cancelled in the turn it arrived (its link lost, or its caller gone) never
+    starts; its coroutine is closed, not left to be reported as never awaited when
+    collected."""
+    made: list[Any] = []
+
+    def call() -> Any:
+        made.append(coroutine())
+        return made[-1]
+
+    done = Completion()
+    handle = pool_runner.run(
+        Placement.LOOP, call, (), {}, name="c", context=call_context(), done=done
+    )
+    assert isinstance(handle, asyncio.Task)
+    runner.cancel_call(handle)
+    with pytest.raises(asyncio.CancelledError):
+        await handle
+    assert inspect.getcoroutinestate(made[0]) == inspect.CORO_CLOSED
+    assert done.outcomes == []  # nobody waits for a call cancelled this way
 
 
 @pytest.mark.parametrize("waits", [False, True], ids=["at once", "after a wait"])
