@@ -471,7 +471,7 @@ def test_lazy_bits_of_a_detached_tensor_are_applied() -> None:
 def test_received_tensor_is_writable_and_owns_its_bytes(dtype: torch.dtype) -> None:
     """numpy builds the tensor where it has the dtype (one call into torch, which
     releases the GIL), torch where it has not (bfloat16); either way the receiver may
-    write to what it got without touching the sender's tensor."""
+    write to what it got without touching the sender's tensor, but not grow it."""
     t = torch.arange(12, dtype=dtype).reshape(3, 4).t()
     payload, buffers = dumps(t)
     received = receive(buffers)
@@ -481,6 +481,8 @@ def test_received_tensor_is_writable_and_owns_its_bytes(dtype: torch.dtype) -> N
     got.add_(1)
     assert torch.equal(got, t + 1)
     assert torch.equal(t, torch.arange(12, dtype=dtype).reshape(3, 4).t())
+    with pytest.raises(RuntimeError, match="not resizable"):  # (docs/coming_from_torch_rpc.md)
+        got.resize_(100)
 
 
 def _sparse_forms() -> dict[str, torch.Tensor]:
