@@ -131,7 +131,10 @@ def _collect(
     return False
 
 
-register_reducer(np.ndarray, functools.partial(reduce_ndarray, reduce_tensor=reduce_tensor))
+register_reducer(
+    np.ndarray,
+    functools.partial(reduce_ndarray, reduce_tensor=reduce_tensor, out_of_band=_out_of_band),
+)
 
 
 class _Pickler(pickle.Pickler):

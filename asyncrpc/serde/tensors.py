@@ -55,6 +55,7 @@ def _numpy_dtypes() -> dict[str, np.dtype[Any]]:
 
 
 _NUMPY_DTYPES: Final = _numpy_dtypes()
+_NUMPY_NAMES: Final = {dtype: name for name, dtype in _NUMPY_DTYPES.items()}
 
 
 def _lazy_bits() -> int | None:
@@ -72,10 +73,15 @@ _LAZY_BITS = _lazy_bits()
 
 def byte_view(tensor: torch.Tensor, nbytes: int) -> memoryview:
     """A writable byte memoryview of ``nbytes`` at ``tensor.data_ptr()`` that keeps it alive."""
+    return _view_at(tensor.data_ptr(), nbytes, tensor)
+
+
+def _view_at(address: int, nbytes: int, owner: object) -> memoryview:
+    """A writable byte memoryview of ``nbytes`` at ``address`` that keeps ``owner`` alive."""
     if nbytes == 0:
         return memoryview(bytearray())
-    array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
-    array._keepalive = tensor  # type: ignore[attr-defined]
+    array = (ctypes.c_char * nbytes).from_address(address)
+    array._keepalive = owner  # type: ignore[attr-defined]
     return memoryview(array).cast("B")
 
 
@@ -115,6 +121,23 @@ def dump_tensor(tensor: torch.Tensor) -> tuple[TensorMeta, memoryview] | None:
         stride = data.stride()
         span = numel
     return _meta(tensor, data, stride, "cpu"), byte_view(data, span * dtype.itemsize)
+
+
+def dump_array(array: np.ndarray[Any, Any]) -> tuple[TensorMeta, memoryview] | None:
+    """``dump_tensor`` of the tensor ``torch.from_numpy(array)`` would make, by numpy
+    alone (no call into torch); None for a dtype torch does not share, or strides that
+    are negative or not whole elements."""
+    name = _NUMPY_NAMES.get(array.dtype)
+    itemsize = array.itemsize
+    if name is None or any(step < 0 or step % itemsize for step in array.strides):
+        return None
+    stride = tuple(step // itemsize for step in array.strides)
+    span, numel = _span(array.shape, stride), array.size
+    if span > numel and _wasteful(span, numel, itemsize):  # send its elements only
+        array = np.ascontiguousarray(array)
+        stride, span = tuple(step // itemsize for step in array.strides), numel
+    meta = (name, array.shape, stride, False, "cpu", False)
+    return meta, _view_at(array.__array_interface__["data"][0], span * itemsize, array)
 
 
 def _resolved(tensor: torch.Tensor) -> torch.Tensor:

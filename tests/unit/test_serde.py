@@ -675,6 +675,31 @@ def test_small_numpy_arrays_round_trip_out_of_band(make: Any) -> None:
     got[...] = 0  # the receiver's copy is its own and writable
 
 
+def test_a_numpy_array_is_sent_and_received_without_calling_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each call into torch releases the GIL (docs/architecture.md): an array of a
+    dtype numpy has needs none on either side."""
+    array = np.arange(12, dtype=np.float32).reshape(3, 4)[:, 1:]
+
+    def no_torch(*_: Any) -> Any:
+        raise AssertionError("called torch")
+
+    monkeypatch.setattr(torch, "from_numpy", no_torch)
+    monkeypatch.setattr(torch, "frombuffer", no_torch)
+    payload, buffers = dumps([array, np.array(2.5)])
+    got, scalar = loads(payload, receive(buffers))
+    assert np.array_equal(got, array) and got.strides == array.strides
+    assert isinstance(scalar, np.ndarray) and scalar.shape == () and scalar == 2.5
+
+
+def test_a_large_numpy_view_mostly_gaps_sends_only_its_elements() -> None:
+    array = np.arange(100_000, dtype=np.float64)[::1000]
+    payload, buffers = dumps(array)
+    assert [len(b) for b in buffers] == [100 * 8]
+    assert np.array_equal(loads(payload, receive(buffers)), array)
+
+
 @pytest.mark.parametrize(
     "array",
     [
