@@ -467,6 +467,34 @@ def test_lazy_bits_of_a_detached_tensor_are_applied() -> None:
     assert got.tolist() == [-2.0, 4.0]
 
 
+def test_a_small_tensor_crosses_with_one_call_into_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each call into torch that makes a tensor, and ``is_conj``/``is_neg``, releases the
+    GIL (docs/architecture.md): a CPU tensor of a dtype numpy has is sent with none and
+    received with one ``torch.from_numpy``."""
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()
+    made: list[Any] = []
+    from_numpy = torch.from_numpy
+
+    def counted(array: Any) -> torch.Tensor:
+        made.append(array)
+        return from_numpy(array)
+
+    def no_torch(*_: Any, **__: Any) -> Any:
+        raise AssertionError("called torch")
+
+    for name in ("empty", "frombuffer", "empty_strided"):
+        monkeypatch.setattr(torch, name, no_torch)
+    for name in ("is_conj", "is_neg", "view", "as_strided"):
+        monkeypatch.setattr(torch.Tensor, name, no_torch)
+    monkeypatch.setattr(torch, "from_numpy", counted)
+    payload, buffers = dumps(t)
+    got = loads(payload, receive(buffers))
+    monkeypatch.undo()
+    assert len(made) == 1
+    assert_same_tensor(got, t)
+    assert got.stride() == t.stride()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.bfloat16], ids=str)
 def test_received_tensor_is_writable_and_owns_its_bytes(dtype: torch.dtype) -> None:
     """numpy builds the tensor where it has the dtype (one call into torch, which
