@@ -95,6 +95,20 @@ The other workloads, each in processes of its own:
     goes on without these rows.  ``tcp_floor.py --veth`` gives a raw socket's
     figures across such a pair.
 
+The floor
+---------
+Beside the two frameworks, a third side runs the ``calls`` and ``spread`` jobs of each
+round: the *floor* (``_floor_worker.py``), the least a Python RPC does per call, over
+the skeleton RPC of ``_skeleton.py`` (a pickled call in a length-prefixed frame, a
+future per call id, a pool thread for a plain function and a task for a coroutine,
+the pickled result back; no authentication, limits, deadlines, metrics or errors).
+It times the plain, coroutine and pipelined no-ops and the spread as the frameworks'
+workers do, and for the model-parallel step the step's compute alone (both stages in
+one process, no RPC).  A second pair of tables gives torch against the floor with the
+same targets: a target the floor misses in a round was out of any such framework's
+reach in that round, and the gap between asyncrpc and the floor is asyncrpc's own
+work.
+
 How to read it
 --------------
 ``ratio`` is how many times better asyncrpc does: torch time / asyncrpc time
@@ -119,7 +133,7 @@ Everything goes to a JSON file (``--json``, default
 bandwidth curve and N-client scaling to a PNG beside it (``--plot``).  A job
 that fails stops the run, but the rounds done so far are still reported.
 
-Usage: ``python benchmarks/bench_rpc.py [--quick] [--only torch|asyncrpc]
+Usage: ``python benchmarks/bench_rpc.py [--quick] [--only torch|asyncrpc|floor]
 [--rounds N] [--workloads calls,cold,steady,bandwidth,fanin,spread,tcp,veth] [--skip-1g]
 [--pin same|split] [--json PATH] [--plot PATH]``.  ``--quick`` (one round, small
 counts, tensors up to 4 MB, up to 2 clients, 2 pairs for the spread: a minute
@@ -164,11 +178,19 @@ from _common import (  # noqa: E402
     size_label,
     summary,
 )
+from _floor_worker import WORKLOADS as FLOOR_WORKLOADS  # noqa: E402
 from _veth import Namespace, VethUnavailableError, veth_pair, wrap  # noqa: E402
 
-SIDES = ("torch", "asyncrpc")
-LABELS = {"torch": "torch.distributed.rpc", "asyncrpc": "asyncrpc"}
-WORKERS = {"torch": HERE / "_torch_worker.py", "asyncrpc": HERE / "_asyncrpc_worker.py"}
+SIDES = ("torch", "asyncrpc", "floor")
+"""Who runs each job: both frameworks, then the floor (a skeleton Python RPC), which
+runs only the jobs in ``FLOOR_WORKLOADS``."""
+FRAMEWORKS = ("torch", "asyncrpc")
+LABELS = {"torch": "torch.distributed.rpc", "asyncrpc": "asyncrpc", "floor": "floor"}
+WORKERS = {
+    "torch": HERE / "_torch_worker.py",
+    "asyncrpc": HERE / "_asyncrpc_worker.py",
+    "floor": HERE / "_floor_worker.py",
+}
 RESULTS = HERE / "results"
 JOB_LIMIT_S = {"quick": 90.0, "full": 300.0}
 TIMES = "\N{MULTIPLICATION SIGN}"
@@ -382,6 +404,8 @@ def run_rounds(
         for index, jobs in enumerate(plan):
             for job in jobs:
                 for side in sides:
+                    if side == "floor" and job.workload not in FLOOR_WORKLOADS:
+                        continue
                     tag = f"{side}-{job.key.replace('/', '-')}-round{index}"
                     try:
                         result = run_job(side, job, quick, cpus, Path(tmp) / tag)
@@ -421,11 +445,16 @@ def per_round(raw: Raw, side: str, key: str, extract: Extract) -> list[float]:
 
 
 def both(
-    raw: Raw, key: str, extract: Extract, torch_extract: Extract | None = None
+    raw: Raw,
+    key: str,
+    extract: Extract,
+    torch_extract: Extract | None = None,
+    *,
+    side: str = "asyncrpc",
 ) -> tuple[list[float], list[float]]:
-    """Per-round values of torch and of asyncrpc."""
+    """Per-round values of torch and of ``side`` (asyncrpc, or the floor)."""
     torch_v = per_round(raw, "torch", key, torch_extract or extract)
-    return torch_v, per_round(raw, "asyncrpc", key, extract)
+    return torch_v, per_round(raw, side, key, extract)
 
 
 def ran(raw: Raw, key: str) -> bool:
@@ -458,6 +487,12 @@ class Target:
     def __str__(self) -> str:
         return f"{'≤' if self.at_most else '≥'} {self.bound:g}{TIMES}"
 
+
+FLOOR_TITLE = (
+    "The floor, in the same rounds: the least a Python RPC does per call (a skeleton RPC, "
+    "benchmarks/_skeleton.py;\nthe step: its compute, with no RPC), against torch. "
+    "A target the floor misses was out of any Python RPC's reach here."
+)
 
 # The issue's targets (ratios asyncrpc must reach; see the module docstring).
 NOOP, COROUTINE, REMOTE, RREF_METHOD, STEP = (Target(b) for b in (4, 8, 2.5, 2.5, 2))
@@ -557,43 +592,47 @@ def torch_coroutine(result: Results) -> float:
     return min(at("noop_us")(result), at("async_execution_noop_us")(result))
 
 
-def calls_rows(cfg: Config, raw: Raw) -> list[Row]:
+def calls_rows(cfg: Config, raw: Raw, side: str = "asyncrpc") -> list[Row]:
+    """The ``calls`` rows of torch against ``side``: asyncrpc's, or the floor's (the
+    rows it has a figure for)."""
     via = (combine_torch_calls(raw) or {}).get("coroutine_noop_via", "?")
-    rows = [
-        compare("no-op round trip", both(raw, "calls", at("noop_us")), form=us, target=NOOP),
-        compare(
+    rows: list[tuple[str, str, Extract | None, Form, Target, Ratio]] = [
+        ("no-op round trip", "noop_us", None, us, NOOP, speedup),
+        (
             f"coroutine no-op round trip (torch: {via})",
-            both(raw, "calls", at("coroutine_noop_us"), torch_coroutine),
-            form=us,
-            target=COROUTINE,
+            "coroutine_noop_us",
+            torch_coroutine,
+            us,
+            COROUTINE,
+            speedup,
         ),
-        compare(
-            "remote + to_here round trip",
-            both(raw, "calls", at("remote_to_here_us")),
-            form=us,
-            target=REMOTE,
-        ),
-        compare(
-            "RRef proxy method call round trip",
-            both(raw, "calls", at("rref_method_us")),
-            form=us,
-            target=RREF_METHOD,
-        ),
-        compare(
-            "model-parallel step",
-            both(raw, "calls", at("model_parallel_step_us")),
-            form=us,
-            target=STEP,
-        ),
-        compare(
+        ("remote + to_here round trip", "remote_to_here_us", None, us, REMOTE, speedup),
+        ("RRef proxy method call round trip", "rref_method_us", None, us, RREF_METHOD, speedup),
+        ("model-parallel step", "model_parallel_step_us", None, us, STEP, speedup),
+        (
             f"pipelined no-op, {cfg.window} in flight",
-            both(raw, "calls", at("pipelined_calls_per_s")),
-            form=per_s,
-            target=PIPELINED,
-            ratio_of=gain,
+            "pipelined_calls_per_s",
+            None,
+            per_s,
+            PIPELINED,
+            gain,
         ),
     ]
-    rows += [
+    measured = raw.get(side, {}).get("calls", [])
+    compared = [
+        compare(
+            name,
+            both(raw, "calls", at(key), torch_extract, side=side),
+            form=form,
+            target=target,
+            ratio_of=ratio_of,
+        )
+        for name, key, torch_extract, form, target, ratio_of in rows
+        if all(key in result for result in measured)
+    ]
+    if side != "asyncrpc":
+        return compared
+    compared += [
         compare(
             f"tensor echo {mb} MB",
             both(raw, "calls", at("echo_ms", str(mb))),
@@ -602,7 +641,7 @@ def calls_rows(cfg: Config, raw: Raw) -> list[Row]:
         )
         for mb in cfg.sizes_mb
     ]
-    return [*rows, memory_row(cfg, raw)]
+    return [*compared, memory_row(cfg, raw)]
 
 
 def memory_row(cfg: Config, raw: Raw) -> Row:
@@ -729,10 +768,10 @@ def fanin_rows(cfg: Config, raw: Raw) -> list[Row]:
     return rows
 
 
-def spread_row(raw: Raw) -> list[Row]:
-    if not ran(raw, "spread"):
+def spread_row(raw: Raw, side: str = "asyncrpc") -> list[Row]:
+    if not ran(raw, "spread") or (side == "floor" and "spread" not in raw.get(side, {})):
         return []
-    torch_v, arpc_v = both(raw, "spread", at("noop_us", "p50"))
+    torch_v, arpc_v = both(raw, "spread", at("noop_us", "p50"), side=side)
 
     def cell(values: list[float]) -> str:
         if not values:
@@ -767,6 +806,15 @@ def build_rows(cfg: Config, raw: Raw) -> list[Row]:
     return rows + fanin_rows(cfg, raw) + spread_row(raw)
 
 
+def floor_rows(cfg: Config, raw: Raw) -> list[Row]:
+    """torch against the floor: a skeleton Python RPC's small calls, and the model-parallel
+    step's compute with no RPC (``_floor_worker.py``), in the same rounds.  A target the
+    floor misses in a run was out of reach of any Python RPC that runs plain functions
+    in a thread pool, as torch does, on this machine then."""
+    rows = calls_rows(cfg, raw, "floor") if "calls" in raw.get("floor", {}) else []
+    return rows + spread_row(raw, "floor")
+
+
 def compact(value: float | None) -> str:
     if value is None:
         return "—"
@@ -780,9 +828,9 @@ def met_cell(row: Row) -> str:
     return f"{mark if row.judged else f'({mark})'} {row.held}"
 
 
-def render(rows: list[Row]) -> str:
+def render(rows: list[Row], side: str = "asyncrpc") -> str:
     lines = [
-        "| workload | torch.distributed.rpc | asyncrpc | ratio | target | met |",
+        f"| workload | torch.distributed.rpc | {LABELS[side]} | ratio | target | met |",
         "|---|---:|---:|---:|---|:-:|",
     ]
     for row in rows:
@@ -794,10 +842,10 @@ def render(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def render_rounds(rows: list[Row]) -> str:
+def render_rounds(rows: list[Row], side: str = "asyncrpc") -> str:
     """Every row's values and ratio, round by round (the spread row: pair by pair)."""
     lines = [
-        "| workload | torch per round | asyncrpc per round | ratio per round |",
+        f"| workload | torch per round | {LABELS[side]} per round | ratio per round |",
         "|---|---|---|---|",
     ]
     for row in rows:
@@ -841,7 +889,12 @@ def combine(side: str, rounds: list[Results]) -> Results:
 
 
 def combine_calls(raw: Raw) -> dict[str, Results]:
-    return {side: combine(side, jobs["calls"]) for side, jobs in raw.items() if "calls" in jobs}
+    """Both frameworks' ``calls`` numbers, combined over rounds (the floor's are rows)."""
+    return {
+        side: combine(side, jobs["calls"])
+        for side, jobs in raw.items()
+        if side in FRAMEWORKS and "calls" in jobs
+    }
 
 
 def combine_torch_calls(raw: Raw) -> Results | None:
@@ -1089,7 +1142,7 @@ def main(argv: list[str] | None = None) -> int:
     largest = max(n for n in cfg.bandwidth_sizes if not (args.skip_1g and n >= GB))
     plan = schedule(cfg, args.workloads, args.rounds, largest)
     raw, failure = run_rounds(sides, plan, args.quick, cpus)
-    rows = build_rows(cfg, raw)
+    rows, floor = build_rows(cfg, raw), floor_rows(cfg, raw)
     load_after = load_average()
     summary_line = (
         f"mode: {mode}, {args.rounds} round(s) per framework (median over rounds), "
@@ -1099,6 +1152,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{summary_line}\n")
     print(render(rows))
     print(f"\nPer round:\n\n{render_rounds(rows)}")
+    if floor:
+        print(f"\n{FLOOR_TITLE}\n\n{render(floor, 'floor')}\n\n{render_rounds(floor, 'floor')}")
     print("\n".join(["", *notes(raw, rows), *([skipped] if skipped else [])]))
     plotted = curves(cfg, raw)
     payload = {
@@ -1112,6 +1167,7 @@ def main(argv: list[str] | None = None) -> int:
         "failure": failure,
         "skipped": skipped,
         "rows": [asdict(row) for row in rows],
+        "floor_rows": [asdict(row) for row in floor],
         "combined": combine_calls(raw),
         "curves": plotted,
         "raw": raw,

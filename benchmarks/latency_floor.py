@@ -15,15 +15,11 @@ from the bare system calls up to the skeleton of an RPC framework:
   ``bench_rpc.py``'s pipelined no-op does (a semaphore, a done callback per call);
   the time per call;
 * ``skeleton RPC, ...``: the least a Python RPC does per call, in about 60 lines
-  (:class:`SkeletonServer`, :class:`SkeletonClient`): the caller pickles ``(function,
-  args, kwargs)`` into a length-prefixed frame with a call id, keeps a future per call
-  id; the server unpickles it, runs an ``async def`` as a task or a plain function in a
-  pool thread (four threads, a queue, one ``call_soon_threadsafe`` per batch of
-  results), pickles the result into a frame; the caller resolves the future.  No
-  authentication, limits, deadlines, metrics, notices, shared memory or error
-  handling.  Sequential with busy-polling (as ``bench_rpc.py``'s no-op rows), and 256
-  in flight (its pipelined row).  It is what a Python framework on this machine
-  cannot go below, which tells how far asyncrpc's own work per message is from it.
+  (``_skeleton.py`` says what it does and leaves out).  Sequential with busy-polling
+  (as ``bench_rpc.py``'s no-op rows), and 256 in flight (its pipelined row).  It is
+  what a Python framework on this machine cannot go below, which tells how far
+  asyncrpc's own work per message is from it.  ``bench_rpc.py`` runs it too, as its
+  ``floor``, in the same rounds as both frameworks.
 
 Each is the median of ``--rounds`` rounds of ``--calls`` round trips (every round is
 printed).  Usage: ``python benchmarks/latency_floor.py [--calls 20000] [--rounds 5]``.
@@ -35,12 +31,8 @@ import argparse
 import asyncio
 import contextlib
 import os
-import pickle
-import queue
 import socket
 import statistics
-import struct
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -48,10 +40,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvloop
+from _skeleton import SkeletonClient, SkeletonServer, coroutine_noop, plain_noop, spin_forever
 
 MESSAGE = b"x" * 64
-HEADER = struct.Struct("<IQ")  # the skeleton's frame: payload length, call id
-POOL_THREADS = 4
 
 
 def blocking_server(sock: socket.socket) -> None:
@@ -101,114 +92,6 @@ class Caller(asyncio.Protocol):
         return future
 
 
-# -- the skeleton RPC ------------------------------------------------------------------
-
-
-async def coroutine_noop() -> None:
-    return None
-
-
-def plain_noop() -> None:
-    return None
-
-
-def frames(buffer: bytearray) -> tuple[list[tuple[int, Any]], int]:
-    """The complete frames at the start of ``buffer``, unpickled, and the bytes they take."""
-    found, offset = [], 0
-    while len(buffer) - offset >= HEADER.size:
-        length, call_id = HEADER.unpack_from(buffer, offset)
-        end = offset + HEADER.size + length
-        if len(buffer) < end:
-            break
-        found.append((call_id, pickle.loads(memoryview(buffer)[offset + HEADER.size : end])))
-        offset = end
-    return found, offset
-
-
-def frame(call_id: int, value: Any) -> bytes:
-    payload = pickle.dumps(value, protocol=5)
-    return HEADER.pack(len(payload), call_id) + payload
-
-
-class SkeletonServer(asyncio.Protocol):
-    """Runs each call: an ``async def`` as a task, a plain function in a pool thread."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.buffer = bytearray()
-        self.jobs: queue.SimpleQueue[tuple[int, Callable[..., Any], tuple[Any, ...]]] = (
-            queue.SimpleQueue()
-        )
-        self.results: deque[tuple[int, Any]] = deque()
-        self.lock = threading.Lock()
-        self.drain_scheduled = False
-        for _ in range(POOL_THREADS):
-            threading.Thread(target=self.work, daemon=True).start()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport: asyncio.Transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        calls, used = frames(self.buffer)
-        del self.buffer[:used]
-        for call_id, (function, args, kwargs) in calls:
-            if asyncio.iscoroutinefunction(function):
-                task = self.loop.create_task(function(*args, **kwargs))
-                task.add_done_callback(lambda done, i=call_id: self.reply(i, done.result()))
-            else:
-                self.jobs.put((call_id, function, args))
-
-    def work(self) -> None:
-        while True:
-            call_id, function, args = self.jobs.get()
-            self.results.append((call_id, function(*args)))
-            with self.lock:
-                if self.drain_scheduled:
-                    continue
-                self.drain_scheduled = True
-            self.loop.call_soon_threadsafe(self.drain)
-
-    def drain(self) -> None:
-        with self.lock:
-            self.drain_scheduled = False
-        while self.results:
-            self.reply(*self.results.popleft())
-
-    def reply(self, call_id: int, result: Any) -> None:
-        self.transport.write(frame(call_id, result))
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.loop.stop()
-
-
-class SkeletonClient(asyncio.Protocol):
-    """Pickles each call into a frame and resolves its future when its reply comes."""
-
-    def __init__(self, function: Callable[..., Any]) -> None:
-        self.function = function
-        self.buffer = bytearray()
-        self.pending: dict[int, asyncio.Future[Any]] = {}
-        self.next_id = 0
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport: asyncio.Transport = transport  # type: ignore[assignment]
-
-    def call(self) -> asyncio.Future[Any]:
-        self.next_id += 1
-        future = asyncio.get_running_loop().create_future()
-        self.pending[self.next_id] = future
-        self.transport.write(frame(self.next_id, (self.function, (), {})))
-        return future
-
-    def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        replies, used = frames(self.buffer)
-        del self.buffer[:used]
-        for call_id, result in replies:
-            self.pending.pop(call_id).set_result(result)
-
-
 # -- running a kind in a fresh pair of processes ----------------------------------------
 
 
@@ -220,12 +103,6 @@ class Kind:
     client: Callable[[], Caller | SkeletonClient]
     poll: bool
     in_flight: int
-
-
-def spin_forever(loop: asyncio.AbstractEventLoop) -> None:
-    """Keep the loop turning: each turn polls the sockets with a zero timeout."""
-    os.sched_yield()
-    loop.call_soon(spin_forever, loop)
 
 
 def loop_server(sock: socket.socket, kind: Kind) -> None:

@@ -10,9 +10,9 @@ import pytest
 
 from tests.cluster import run_script
 
-# bench_rpc's quick mode starts 20 sets of fresh processes (10 jobs, 2 frameworks): about
-# a minute on an idle 2-core VM, more beside other jobs; bench_service's, two services
-# of 3 processes and a few hundred requests: about 20 s.
+# bench_rpc's quick mode starts 23 sets of fresh processes (10 jobs for each of 2
+# frameworks, 3 for the floor): about a minute on an idle 2-core VM, more beside other
+# jobs; bench_service's, two services of 3 processes and a few hundred requests: ~20 s.
 pytestmark = pytest.mark.timeout(420)
 
 
@@ -42,6 +42,19 @@ def test_bench_quick_mode_runs_both_frameworks(tmp_path: Path) -> None:
     payload = json.loads(results.read_text())
     assert payload["failure"] is None
     assert {p["clients"] for p in payload["curves"]["fanin"]["asyncrpc"]} == {1, 2}
+    # The floor ran the same rounds' small-call jobs and the spread, beside torch.
+    assert "The floor, in the same rounds" in done.stdout
+    floor = {row["workload"].split(" (")[0].split(",")[0]: row for row in payload["floor_rows"]}
+    assert set(floor) == {
+        "no-op round trip",
+        "coroutine no-op round trip",
+        "model-parallel step",
+        "pipelined no-op",
+        "p50 no-op round trip over 2 fresh pairs: min to max",
+    }
+    for row in floor.values():
+        assert row["torch_rounds"] and row["asyncrpc_rounds"], row  # torch's and the floor's
+        assert all(v > 0 for v in row["asyncrpc_rounds"]), row
     assert results.with_suffix(".png").stat().st_size > 0
 
 

@@ -1,0 +1,233 @@
+"""One worker of the benchmark's ``floor``: its small-call workloads over the skeleton RPC.
+
+``bench_rpc.py`` runs this beside torch's and asyncrpc's workers, in the same rounds, for
+the workloads whose targets are about the framework's own work per call (``calls`` and
+``spread``).  It shows what a Python RPC cannot go below on this machine, measured the
+same way: the same counts, the same fresh pair of processes, the same clock.
+
+* The server (the last rank) serves the skeleton (``_skeleton.py``) on a Unix socket in
+  the job's folder, its loop busy-polling as asyncrpc's does after activity.
+* The caller (rank 0) times ``calls``: the plain and the coroutine no-op (sequential,
+  its loop busy-polling), the pipelined no-op (``window`` in flight, a semaphore and a
+  done callback per call, as both frameworks' workers do), and the model-parallel step
+  with no RPC at all (both stages in this process, autograd and an SGD step over both:
+  the step's own compute, which no framework can go below).  ``spread`` times single
+  plain no-ops as the frameworks' spread job does.
+
+It writes the same keys as the frameworks' workers for these rows; the rest it has no
+floor for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvloop
+from _common import (
+    Config,
+    Results,
+    WorkerArgs,
+    config,
+    make_batch,
+    make_stage1,
+    ns_to_us,
+    parse_worker_args,
+    percentiles,
+    pin_to,
+    summary,
+    write_results,
+)
+from _remote_fns import Stage2
+from _skeleton import SkeletonClient, SkeletonServer, coroutine_noop, plain_noop
+from torch.nn.functional import cross_entropy
+
+WORKLOADS = ("calls", "spread")
+"""The workloads this side has a floor for."""
+
+
+def socket_path(out: Path) -> Path:
+    return out / "floor.sock"
+
+
+class Spinner:
+    """Keeps a loop turning while on (each turn polls the sockets with a zero timeout)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._handle: asyncio.Handle | None = None
+
+    def start(self) -> None:
+        if self._handle is None:
+            self._turn()
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _turn(self) -> None:
+        os.sched_yield()
+        self._handle = self._loop.call_soon(self._turn)
+
+
+# -- the server ---------------------------------------------------------------------------
+
+
+async def serve(job: WorkerArgs, limit_s: float) -> None:
+    """Serve one caller until it hangs up (or ``limit_s`` passes)."""
+    loop = asyncio.get_running_loop()
+    path = socket_path(job.out)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    listener.setblocking(False)
+    connection, _ = await asyncio.wait_for(loop.sock_accept(listener), limit_s)
+    listener.close()
+    Spinner(loop).start()
+    await loop.connect_accepted_socket(SkeletonServer, connection)
+    await asyncio.sleep(limit_s)  # SkeletonServer stops the loop when the caller hangs up
+
+
+def run_server(job: WorkerArgs, limit_s: float) -> None:
+    with contextlib.suppress(RuntimeError):  # "Event loop stopped": the caller hung up
+        uvloop.run(serve(job, limit_s))
+
+
+# -- the caller ---------------------------------------------------------------------------
+
+
+async def connect(job: WorkerArgs, limit_s: float) -> SkeletonClient:
+    """The skeleton's client, once the server listens (it starts beside this process)."""
+    loop = asyncio.get_running_loop()
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            _, caller = await loop.create_unix_connection(
+                lambda: SkeletonClient(plain_noop), str(socket_path(job.out))
+            )
+            return caller
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the floor's server did not listen within {limit_s}s") from None
+            await asyncio.sleep(0.01)
+
+
+async def sequential_us(
+    counts: tuple[int, int, int], once: Callable[[], Awaitable[Any] | Any]
+) -> Results:
+    """As the frameworks' workers time a row: the mean per batch after a warm-up."""
+    warmup, batches, per_batch = counts
+    for _ in range(warmup):
+        await run(once)
+    per_call = []
+    for _ in range(batches):
+        start = time.perf_counter_ns()
+        for _ in range(per_batch):
+            await run(once)
+        per_call.append(ns_to_us(time.perf_counter_ns() - start, per_batch))
+    return summary(per_call)
+
+
+async def run(once: Callable[[], Awaitable[Any] | Any]) -> Any:
+    result = once()
+    return await result if isinstance(result, Awaitable) else result
+
+
+def caller_of(caller: SkeletonClient, function: Callable[..., Any]) -> Callable[[], Any]:
+    def once() -> asyncio.Future[Any]:
+        caller.function = function
+        return caller.call()
+
+    return once
+
+
+async def pipelined_rate(cfg: Config, caller: SkeletonClient) -> Results:
+    caller.function = plain_noop
+
+    async def window_of(calls: int) -> float:
+        slots = asyncio.Semaphore(cfg.window)
+        start = time.perf_counter()
+        for _ in range(calls):
+            await slots.acquire()
+            caller.call().add_done_callback(lambda _: slots.release())
+        for _ in range(cfg.window):
+            await slots.acquire()
+        return calls / (time.perf_counter() - start)
+
+    await window_of(cfg.pipelined_warmup)
+    return summary([await window_of(cfg.pipelined_calls) for _ in range(cfg.pipelined_repeats)])
+
+
+def local_step() -> Callable[[], torch.Tensor]:
+    """The model-parallel step with both stages here: its compute alone."""
+    stage1, stage2 = make_stage1(), Stage2()
+    opt = torch.optim.SGD([*stage1.parameters(), *stage2.parameters()], lr=0.01)
+    x, y = make_batch()
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = cross_entropy(stage2(stage1(x)), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+async def calls(cfg: Config, job: WorkerArgs) -> Results:
+    step = await sequential_us(cfg.step_counts, local_step())  # before the server spins
+    caller = await connect(job, cfg.rpc_timeout)
+    pipelined = await pipelined_rate(cfg, caller)
+    spinner = Spinner(asyncio.get_running_loop())
+    spinner.start()
+    results = {
+        "noop_us": await sequential_us(cfg.call_counts, caller_of(caller, plain_noop)),
+        "coroutine_noop_us": await sequential_us(
+            cfg.call_counts, caller_of(caller, coroutine_noop)
+        ),
+        "pipelined_calls_per_s": pipelined,
+        "model_parallel_step_us": step,
+    }
+    spinner.stop()
+    caller.transport.close()
+    return results
+
+
+async def spread(cfg: Config, job: WorkerArgs) -> Results:
+    caller = await connect(job, cfg.rpc_timeout)
+    Spinner(asyncio.get_running_loop()).start()
+    for _ in range(cfg.spread_warmup):
+        await caller.call()
+    samples = []
+    for _ in range(cfg.spread_calls):
+        start = time.perf_counter_ns()
+        await caller.call()
+        samples.append(ns_to_us(time.perf_counter_ns() - start, 1))
+    caller.transport.close()
+    return {"noop_us": percentiles(samples)}
+
+
+def main() -> None:
+    job = parse_worker_args()
+    pin_to(job.cpu)
+    cfg = config(job.quick)
+    if job.workload not in WORKLOADS:
+        raise SystemExit(f"the floor has no {job.workload!r} workload")
+    limit_s = cfg.rpc_timeout + cfg.step_timeout
+    if job.serves:
+        run_server(job, limit_s)
+        return
+    workload = calls if job.workload == "calls" else spread
+    write_results(job.results_path, uvloop.run(asyncio.wait_for(workload(cfg, job), limit_s)))
+
+
+if __name__ == "__main__":
+    main()
