@@ -160,11 +160,16 @@ class Outgoing:
         self._ended = True
         undo, self._undo = self._undo, ()
         try:
-            for step in reversed(undo):
-                step()
+            undo_all(undo)
         finally:
             if self._notices and self._give_back is not None:
                 self._give_back(self._notices)
+
+
+def undo_all(undo: Sequence[Undo]) -> None:
+    """Undo the effects a message's reducers had, latest first (it never leaves)."""
+    for step in reversed(undo):
+        step()
 
 
 def send_unless_lost(

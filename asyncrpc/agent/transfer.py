@@ -50,7 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from asyncrpc.agent.outgoing import Outgoing, Undo
+from asyncrpc.agent.outgoing import Outgoing, Undo, undo_all
 from asyncrpc.serde import cuda, dumps, loads
 from asyncrpc.wire import Kind
 
@@ -165,8 +165,7 @@ def _dumps(agent: Any, peer_rank: int, request: bool, function: str, value: Any)
     try:
         payload, buffers = dumps(value)
     except BaseException:
-        while transfer.undo:  # the message does not even exist
-            transfer.undo.pop()()
+        undo_all(transfer.undo)  # the message does not even exist
         raise
     finally:
         _transfer.reset(token)
