@@ -72,29 +72,40 @@ class Placement(Enum):
     INLINE = auto()  # @on_loop: called on the loop at once, its return value is the reply
 
 
-_CACHEABLE = (types.FunctionType, types.BuiltinFunctionType)
-_placements: dict[Any, tuple[Placement, str]] = {}
+_KEPT = 1024  # functions described and kept (forgotten all at once past this)
+_described: dict[Any, tuple[Placement, str]] = {}
+_KEEPABLE = (types.FunctionType, types.BuiltinFunctionType)
 
 
 def describe(fn: Any) -> tuple[Placement, str]:
-    """Where ``fn`` runs and its readable name; cached for plain functions and builtins,
-    and so for Python methods, which run as their function would (not for bound builtin
-    methods such as ``tensor.add_``: the cache would keep their object alive)."""
+    """Where ``fn`` runs and its readable name.  Kept for functions and builtins found by
+    their name (and so for Python methods, which run as their function would), not for
+    one made at run time, a lambda or a nested function (the cache would keep it alive,
+    and everything it closes over: ``remote()`` to oneself with a lambda that closes over
+    a tensor, each step), nor for bound builtin methods such as ``tensor.add_`` (it
+    would keep their object alive)."""
     try:
-        cached = _placements.get(fn)  # (only cacheable callables are ever kept)
+        cached = _described.get(fn)  # (only keepable callables are ever kept)
     except TypeError:  # an unhashable callable object
         cached = None
     if cached is not None:
         return cached
     if isinstance(fn, types.MethodType):  # a Python method runs as its function would
         return describe(fn.__func__)
-    cacheable = isinstance(fn, _CACHEABLE) and isinstance(
-        getattr(fn, "__self__", None), (types.ModuleType, type(None))
-    )
-    found = (_placement(fn), function_name(fn))
-    if cacheable:
-        _placements[fn] = found
+    found = (_placement(fn), _name_of(fn))
+    if _keepable(fn):
+        if len(_described) >= _KEPT:
+            _described.clear()
+        _described[fn] = found
     return found
+
+
+def _keepable(fn: Any) -> bool:
+    return (
+        isinstance(fn, _KEEPABLE)
+        and isinstance(getattr(fn, "__self__", None), (types.ModuleType, type(None)))
+        and "<" not in getattr(fn, "__qualname__", "<")  # not <lambda>, nor in <locals>
+    )
 
 
 def _placement(fn: Any) -> Placement:
@@ -110,21 +121,13 @@ def _placement(fn: Any) -> Placement:
     return Placement.THREAD
 
 
-_NAMES_KEPT = 1024  # names of Python functions kept (forgotten all at once past this)
-_names: dict[types.FunctionType, str] = {}
-
-
 def function_name(fn: Any) -> str:
     """A readable ``module.qualname`` for error messages (or the ``rpc_name`` a callable
-    object gives itself); a Python function's is kept (a caller names every call)."""
-    if type(fn) is not types.FunctionType:
-        return _name_of(fn)
-    name = _names.get(fn)
-    if name is None:
-        if len(_names) >= _NAMES_KEPT:
-            _names.clear()
-        name = _names[fn] = _name_of(fn)
-    return name
+    object gives itself); kept with its placement for a function (a caller names every
+    call)."""
+    if type(fn) is types.FunctionType:
+        return describe(fn)[1]
+    return _name_of(fn)
 
 
 def _name_of(fn: Any) -> str:

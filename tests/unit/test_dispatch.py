@@ -33,7 +33,7 @@ def test_bound_builtin_methods_are_not_kept_alive_by_the_cache() -> None:
 
 def test_plain_builtins_are_cached() -> None:
     assert describe(torch.add) == (Placement.THREAD, "torch._VariableFunctionsClass.add")
-    assert torch.add in dispatch._placements
+    assert torch.add in dispatch._described
 
 
 class Service:
@@ -72,18 +72,42 @@ def test_an_unhashable_callable_is_described_every_time_without_a_cache() -> Non
     assert describe(callable_object)[0] is Placement.LOOP
 
 
-def test_the_names_kept_of_python_functions_are_bounded(monkeypatch: Any) -> None:
-    monkeypatch.setattr(dispatch, "_names", {})
-    monkeypatch.setattr(dispatch, "_NAMES_KEPT", 3)
+def named_here() -> int:
+    return 0
 
-    def make(index: int) -> Any:
-        def named() -> int:
-            return index
 
-        return named
+def test_functions_made_at_run_time_are_never_kept_with_what_they_close_over() -> None:
+    tensor = torch.ones(3)
+    alive = weakref.ref(tensor)
+    closure = _lambda_over(tensor)
+    nested = _nested(tensor)
+    assert describe(closure) == (Placement.THREAD, f"{__name__}._lambda_over.<locals>.<lambda>")
+    assert dispatch.function_name(nested) == f"{__name__}._nested.<locals>.named"
+    assert closure not in dispatch._described and nested not in dispatch._described
+    del tensor, closure, nested
+    gc.collect()
+    assert alive() is None
 
-    made = [make(i) for i in range(5)]  # (closures: each call of make() a new function)
-    names = [dispatch.function_name(fn) for fn in made]
-    assert names == [f"{__name__}.{make.__qualname__}.<locals>.named"] * 5
-    assert len(dispatch._names) <= 3
-    assert dispatch.function_name(made[4]) is dispatch._names[made[4]]  # kept
+
+def _lambda_over(t: torch.Tensor) -> Any:
+    return lambda: t.sum() + 1
+
+
+def _nested(t: torch.Tensor) -> Any:
+    def named() -> Any:
+        return t
+
+    return named
+
+
+def test_named_functions_are_kept_with_their_name_and_the_cache_is_bounded(
+    monkeypatch: Any,
+) -> None:
+    monkeypatch.setattr(dispatch, "_described", {})
+    monkeypatch.setattr(dispatch, "_KEPT", 3)
+    assert dispatch.function_name(named_here) == f"{__name__}.named_here"
+    assert dispatch._described[named_here] == (Placement.THREAD, f"{__name__}.named_here")
+    for builtin in (len, abs, max, min, sum):
+        describe(builtin)
+    assert len(dispatch._described) <= 3
+    assert describe(sum) is dispatch._described[sum]  # the newest stays kept
