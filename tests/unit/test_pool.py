@@ -44,7 +44,7 @@ def test_jobs_run_and_idle_threads_are_reused() -> None:
         done = threading.Event()
         pool.submit(done.set)
         assert done.wait(5)
-        assert lock.wait_for(lambda: pool._idle == 1, 5), "the thread never went idle"
+        assert lock.wait_for(lambda: len(pool._idle) == 1, 5), "the thread never went idle"
     assert len(pool._threads) == 1
     pool.shutdown()
 
@@ -55,8 +55,9 @@ def test_a_job_submitted_while_every_thread_is_busy_starts_a_thread() -> None:
     gate = threading.Event()
     pool.submit(gate.wait, 5)  # holds the only thread until the next job runs
     pool.submit(gate.set)
+    assert gate.wait(5), "the second job ran beside the first"
     assert len(pool._threads) == 2
-    assert lock.wait_for(lambda: pool._idle == 2, 5), "both jobs finish, both threads idle"
+    assert lock.wait_for(lambda: len(pool._idle) == 2, 5), "both jobs finish, both threads idle"
     pool.shutdown()
 
 
@@ -123,4 +124,31 @@ def test_a_finished_job_keeps_nothing_alive() -> None:
     del payload
     assert freed.wait(5), "the worker still holds the finished job's arguments"
     assert alive() is None
+    pool.shutdown()
+
+
+def test_calls_one_at_a_time_run_on_the_thread_that_finished_last() -> None:
+    """Last in, first out: with several threads idle, a worker whose calls come one at a
+    time runs them all on one thread (a queue would hand them to each thread in turn)."""
+    pool, lock = observed_pool(4)
+    gate, started = threading.Event(), threading.Semaphore(0)
+
+    def blocked() -> None:
+        started.release()
+        gate.wait(5)
+
+    for _ in range(3):
+        pool.submit(blocked)
+    for _ in range(3):
+        assert started.acquire(timeout=5)
+    gate.set()
+    assert lock.wait_for(lambda: len(pool._idle) == 3, 5), "the three threads go idle"
+    ran_on: list[int] = []
+    for _ in range(10):
+        done = threading.Event()
+        pool.submit(lambda: (ran_on.append(threading.get_ident()), done.set()))
+        assert done.wait(5)
+        assert lock.wait_for(lambda: len(pool._idle) == 3, 5)
+    assert len(set(ran_on)) == 1
+    assert len(pool._threads) == 3
     pool.shutdown()
