@@ -1,18 +1,20 @@
 """One worker of the benchmark's ``floor``: its small-call workloads over the skeleton RPC.
 
 ``bench_rpc.py`` runs this beside torch's and asyncrpc's workers, in the same rounds, for
-the workloads whose targets are about the framework's own work per call (``calls`` and
-``spread``).  It shows what a Python RPC cannot go below on this machine, measured the
+the workloads whose targets are about the framework's own work per call (``calls``,
+``spread`` and ``fanin``).  It shows what a Python RPC cannot go below on this machine, measured the
 same way: the same counts, the same fresh pair of processes, the same clock.
 
 * The server (the last rank) serves the skeleton (``_skeleton.py``) on a Unix socket in
-  the job's folder, its loop busy-polling as asyncrpc's does after activity.
+  the job's folder, one connection per caller and one thread pool for all, its loop
+  busy-polling as asyncrpc's does by default (while the host has a CPU per process).
 * The caller (rank 0) times ``calls``: the plain and the coroutine no-op (sequential,
   its loop busy-polling), the pipelined no-op (``window`` in flight, a semaphore and a
   done callback per call, as both frameworks' workers do), and the model-parallel step
   with no RPC at all (both stages in this process, autograd and an SGD step over both:
   the step's own compute, which no framework can go below).  ``spread`` times single
-  plain no-ops as the frameworks' spread job does.
+  plain no-ops as the frameworks' spread job does, and ``fanin`` (N callers) keeps
+  ``fanin_window`` plain no-ops in flight from each, windows started together.
 
 It writes the same keys as the frameworks' workers for these rows; the rest it has no
 floor for.
@@ -46,10 +48,17 @@ from _common import (
     write_results,
 )
 from _remote_fns import Stage2
-from _skeleton import SkeletonClient, SkeletonServer, coroutine_noop, plain_noop
+from _skeleton import (
+    SkeletonClient,
+    SkeletonPool,
+    SkeletonServer,
+    coroutine_noop,
+    plain_noop,
+    rendezvous,
+)
 from torch.nn.functional import cross_entropy
 
-WORKLOADS = ("calls", "spread")
+WORKLOADS = ("calls", "spread", "fanin")
 """The workloads this side has a floor for."""
 
 
@@ -82,18 +91,27 @@ class Spinner:
 
 
 async def serve(job: WorkerArgs, limit_s: float) -> None:
-    """Serve one caller until it hangs up (or ``limit_s`` passes)."""
+    """Serve every caller until the last one hangs up (or ``limit_s`` passes)."""
     loop = asyncio.get_running_loop()
-    path = socket_path(job.out)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(path))
-    listener.listen(1)
+    listener.bind(str(socket_path(job.out)))
+    listener.listen(job.clients)
     listener.setblocking(False)
-    connection, _ = await asyncio.wait_for(loop.sock_accept(listener), limit_s)
+    pool, open_connections = SkeletonPool(loop), job.clients
+
+    def lost() -> None:
+        nonlocal open_connections
+        open_connections -= 1
+        if not open_connections:
+            loop.stop()
+
+    for _ in range(job.clients):
+        connection, _ = await asyncio.wait_for(loop.sock_accept(listener), limit_s)
+        await loop.connect_accepted_socket(lambda: SkeletonServer(pool, lost), connection)
     listener.close()
-    Spinner(loop).start()
-    await loop.connect_accepted_socket(SkeletonServer, connection)
-    await asyncio.sleep(limit_s)  # SkeletonServer stops the loop when the caller hangs up
+    if job.world_size <= (os.cpu_count() or 1):  # as asyncrpc's poller: a CPU each
+        Spinner(loop).start()
+    await asyncio.sleep(limit_s)  # stopped when the last caller hangs up
 
 
 def run_server(job: WorkerArgs, limit_s: float) -> None:
@@ -149,21 +167,27 @@ def caller_of(caller: SkeletonClient, function: Callable[..., Any]) -> Callable[
     return once
 
 
-async def pipelined_rate(cfg: Config, caller: SkeletonClient) -> Results:
+async def run_window(caller: SkeletonClient, window: int, calls: int) -> tuple[int, int]:
+    """Plain no-ops, ``window`` in flight, as the frameworks' workers run them; returns
+    (start, end) in ``time.monotonic_ns()``, a clock all processes of the host share."""
     caller.function = plain_noop
+    slots = asyncio.Semaphore(window)
+    start = time.monotonic_ns()
+    for _ in range(calls):
+        await slots.acquire()
+        caller.call().add_done_callback(lambda _: slots.release())
+    for _ in range(window):
+        await slots.acquire()
+    return start, time.monotonic_ns()
 
-    async def window_of(calls: int) -> float:
-        slots = asyncio.Semaphore(cfg.window)
-        start = time.perf_counter()
-        for _ in range(calls):
-            await slots.acquire()
-            caller.call().add_done_callback(lambda _: slots.release())
-        for _ in range(cfg.window):
-            await slots.acquire()
-        return calls / (time.perf_counter() - start)
 
-    await window_of(cfg.pipelined_warmup)
-    return summary([await window_of(cfg.pipelined_calls) for _ in range(cfg.pipelined_repeats)])
+async def pipelined_rate(cfg: Config, caller: SkeletonClient) -> Results:
+    await run_window(caller, cfg.window, cfg.pipelined_warmup)
+    rates = []
+    for _ in range(cfg.pipelined_repeats):
+        start, end = await run_window(caller, cfg.window, cfg.pipelined_calls)
+        rates.append(cfg.pipelined_calls / ((end - start) / 1e9))
+    return summary(rates)
 
 
 def local_step() -> Callable[[], torch.Tensor]:
@@ -215,6 +239,20 @@ async def spread(cfg: Config, job: WorkerArgs) -> Results:
     return {"noop_us": percentiles(samples)}
 
 
+async def fanin(cfg: Config, job: WorkerArgs) -> Results:
+    """One of ``job.clients`` clients, each with ``cfg.fanin_window`` no-ops in flight;
+    every timed window starts when all clients are ready."""
+    caller = await connect(job, cfg.rpc_timeout)
+    await run_window(caller, cfg.fanin_window, cfg.fanin_warmup)
+    spans = []
+    for _ in range(cfg.fanin_repeats):
+        caller.function = rendezvous
+        await caller.call(job.clients)
+        spans.append(await run_window(caller, cfg.fanin_window, cfg.fanin_calls))
+    caller.transport.close()
+    return {"calls": cfg.fanin_calls, "spans_ns": spans}
+
+
 def main() -> None:
     job = parse_worker_args()
     pin_to(job.cpu)
@@ -225,7 +263,7 @@ def main() -> None:
     if job.serves:
         run_server(job, limit_s)
         return
-    workload = calls if job.workload == "calls" else spread
+    workload = {"calls": calls, "spread": spread, "fanin": fanin}[job.workload]
     write_results(job.results_path, uvloop.run(asyncio.wait_for(workload(cfg, job), limit_s)))
 
 

@@ -36,6 +36,16 @@ def plain_noop() -> None:
     return None
 
 
+_barriers: dict[int, asyncio.Barrier] = {}
+
+
+async def rendezvous(parties: int) -> None:
+    """Return once ``parties`` callers are in here (on the server's loop): clients that
+    measure together start together."""
+    barrier = _barriers.setdefault(parties, asyncio.Barrier(parties))
+    await barrier.wait()
+
+
 def frames(buffer: bytearray) -> tuple[list[tuple[int, Any]], int]:
     """The complete frames at the start of ``buffer``, unpickled, and the bytes they take."""
     found, offset = [], 0
@@ -54,20 +64,50 @@ def frame(call_id: int, value: Any) -> bytes:
     return HEADER.pack(len(payload), call_id) + payload
 
 
-class SkeletonServer(asyncio.Protocol):
-    """Runs each call: an ``async def`` as a task, a plain function in a pool thread."""
+class SkeletonPool:
+    """The thread pool that runs a server's plain calls, shared by its connections:
+    ``POOL_THREADS`` threads, a job queue, one ``call_soon_threadsafe`` per batch of
+    results."""
 
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.buffer = bytearray()
-        self.jobs: queue.SimpleQueue[tuple[int, Callable[..., Any], tuple[Any, ...]]] = (
-            queue.SimpleQueue()
-        )
-        self.results: deque[tuple[int, Any]] = deque()
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self.results: deque[tuple[SkeletonServer, int, Any]] = deque()
         self.lock = threading.Lock()
         self.drain_scheduled = False
         for _ in range(POOL_THREADS):
             threading.Thread(target=self.work, daemon=True).start()
+
+    def work(self) -> None:
+        while True:
+            server, call_id, function, args = self.jobs.get()
+            self.results.append((server, call_id, function(*args)))
+            with self.lock:
+                if self.drain_scheduled:
+                    continue
+                self.drain_scheduled = True
+            self.loop.call_soon_threadsafe(self.drain)
+
+    def drain(self) -> None:
+        with self.lock:
+            self.drain_scheduled = False
+        while self.results:
+            server, call_id, result = self.results.popleft()
+            server.reply(call_id, result)
+
+
+class SkeletonServer(asyncio.Protocol):
+    """Runs each call: an ``async def`` as a task, a plain function in a pool thread.
+    ``pool``: shared with the server's other connections (default: one of its own);
+    ``on_lost``: what the caller hanging up does (default: stop the loop)."""
+
+    def __init__(
+        self, pool: SkeletonPool | None = None, on_lost: Callable[[], None] | None = None
+    ) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.pool = pool or SkeletonPool(self.loop)
+        self.on_lost = on_lost or self.loop.stop
+        self.buffer = bytearray()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport: asyncio.Transport = transport  # type: ignore[assignment]
@@ -81,29 +121,18 @@ class SkeletonServer(asyncio.Protocol):
                 task = self.loop.create_task(function(*args, **kwargs))
                 task.add_done_callback(lambda done, i=call_id: self.reply(i, done.result()))
             else:
-                self.jobs.put((call_id, function, args))
-
-    def work(self) -> None:
-        while True:
-            call_id, function, args = self.jobs.get()
-            self.results.append((call_id, function(*args)))
-            with self.lock:
-                if self.drain_scheduled:
-                    continue
-                self.drain_scheduled = True
-            self.loop.call_soon_threadsafe(self.drain)
-
-    def drain(self) -> None:
-        with self.lock:
-            self.drain_scheduled = False
-        while self.results:
-            self.reply(*self.results.popleft())
+                self.pool.jobs.put((self, call_id, function, args))
 
     def reply(self, call_id: int, result: Any) -> None:
         self.transport.write(frame(call_id, result))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.loop.stop()
+        self.on_lost()
+
+
+Job = tuple[SkeletonServer, int, Callable[..., Any], tuple[Any, ...]]
+"""A plain call for the pool: the connection it came in on, its id, the function and
+its arguments."""
 
 
 class SkeletonClient(asyncio.Protocol):
@@ -118,11 +147,12 @@ class SkeletonClient(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport: asyncio.Transport = transport  # type: ignore[assignment]
 
-    def call(self) -> asyncio.Future[Any]:
+    def call(self, *args: Any) -> asyncio.Future[Any]:
+        """Call ``self.function(*args)`` on the server; a future of its result."""
         self.next_id += 1
         future = asyncio.get_running_loop().create_future()
         self.pending[self.next_id] = future
-        self.transport.write(frame(self.next_id, (self.function, (), {})))
+        self.transport.write(frame(self.next_id, (self.function, args, {})))
         return future
 
     def data_received(self, data: bytes) -> None:

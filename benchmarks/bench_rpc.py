@@ -97,17 +97,17 @@ The other workloads, each in processes of its own:
 
 The floor
 ---------
-Beside the two frameworks, a third side runs the ``calls`` and ``spread`` jobs of each
-round: the *floor* (``_floor_worker.py``), the least a Python RPC does per call, over
-the skeleton RPC of ``_skeleton.py`` (a pickled call in a length-prefixed frame, a
-future per call id, a pool thread for a plain function and a task for a coroutine,
-the pickled result back; no authentication, limits, deadlines, metrics or errors).
-It times the plain, coroutine and pipelined no-ops and the spread as the frameworks'
-workers do, and for the model-parallel step the step's compute alone (both stages in
-one process, no RPC).  A second pair of tables gives torch against the floor with the
-same targets: a target the floor misses in a round was out of any such framework's
-reach in that round, and the gap between asyncrpc and the floor is asyncrpc's own
-work.
+Beside the two frameworks, a third side runs the ``calls``, ``fanin`` and ``spread``
+jobs of each round: the *floor* (``_floor_worker.py``), the least a Python RPC does per
+call, over the skeleton RPC of ``_skeleton.py`` (a pickled call in a length-prefixed
+frame, a future per call id, a pool thread for a plain function and a task for a
+coroutine, the pickled result back; no authentication, limits, deadlines, metrics or
+errors).  It times the plain, coroutine and pipelined no-ops, the N-client fan-in and
+the spread as the frameworks' workers do, and for the model-parallel step the step's
+compute alone (both stages in one process, no RPC).  A second pair of tables gives
+torch against the floor with the same targets: a target the floor misses in a round
+was out of any such framework's reach in that round, and the gap between asyncrpc and
+the floor is asyncrpc's own work.
 
 How to read it
 --------------
@@ -742,12 +742,12 @@ def scaling(raw: Raw, side: str, low: int, high: int) -> list[float]:
     return [h / lo for lo, h in zip(lows, highs, strict=False)]
 
 
-def fanin_rows(cfg: Config, raw: Raw) -> list[Row]:
+def fanin_rows(cfg: Config, raw: Raw, side: str = "asyncrpc") -> list[Row]:
     counts = fanin_counts(cfg, raw)
     rows = [
         compare(
             f"1 server + {n} client{'s' if n > 1 else ''}, {cfg.fanin_window} in flight each",
-            both(raw, f"fanin/{n}", at("calls_per_s")),
+            both(raw, f"fanin/{n}", at("calls_per_s"), side=side),
             form=per_s,
             target=FANIN,
             ratio_of=gain,
@@ -759,7 +759,7 @@ def fanin_rows(cfg: Config, raw: Raw) -> list[Row]:
         rows.append(
             compare(
                 f"server total, {high} clients over {low} (each framework's own)",
-                (scaling(raw, "torch", low, high), scaling(raw, "asyncrpc", low, high)),
+                (scaling(raw, "torch", low, high), scaling(raw, side, low, high)),
                 form=factor,
                 target=SCALING,
                 ratio_of=own,
@@ -811,7 +811,10 @@ def floor_rows(cfg: Config, raw: Raw) -> list[Row]:
     step's compute with no RPC (``_floor_worker.py``), in the same rounds.  A target the
     floor misses in a run was out of reach of any Python RPC that runs plain functions
     in a thread pool, as torch does, on this machine then."""
-    rows = calls_rows(cfg, raw, "floor") if "calls" in raw.get("floor", {}) else []
+    floor = raw.get("floor", {})
+    rows = calls_rows(cfg, raw, "floor") if "calls" in floor else []
+    if any(key.startswith("fanin/") for key in floor):
+        rows += fanin_rows(cfg, raw, "floor")
     return rows + spread_row(raw, "floor")
 
 

@@ -10,8 +10,8 @@ import pytest
 
 from tests.cluster import run_script
 
-# bench_rpc's quick mode starts 23 sets of fresh processes (10 jobs for each of 2
-# frameworks, 3 for the floor): about a minute on an idle 2-core VM, more beside other
+# bench_rpc's quick mode starts 25 sets of fresh processes (10 jobs for each of 2
+# frameworks, 5 for the floor): about a minute on an idle 2-core VM, more beside other
 # jobs; bench_service's, two services of 3 processes and a few hundred requests: ~20 s.
 pytestmark = pytest.mark.timeout(420)
 
@@ -42,7 +42,7 @@ def test_bench_quick_mode_runs_both_frameworks(tmp_path: Path) -> None:
     payload = json.loads(results.read_text())
     assert payload["failure"] is None
     assert {p["clients"] for p in payload["curves"]["fanin"]["asyncrpc"]} == {1, 2}
-    # The floor ran the same rounds' small-call jobs and the spread, beside torch.
+    # The floor ran the same rounds' small-call, fan-in and spread jobs, beside torch.
     assert "The floor, in the same rounds" in done.stdout
     floor = {row["workload"].split(" (")[0].split(",")[0]: row for row in payload["floor_rows"]}
     assert set(floor) == {
@@ -50,6 +50,9 @@ def test_bench_quick_mode_runs_both_frameworks(tmp_path: Path) -> None:
         "coroutine no-op round trip",
         "model-parallel step",
         "pipelined no-op",
+        "1 server + 1 client",
+        "1 server + 2 clients",
+        "server total",
         "p50 no-op round trip over 2 fresh pairs: min to max",
     }
     for row in floor.values():
