@@ -99,15 +99,22 @@ class WorkerPool:
         """With the lock held and jobs queued: wake the idle thread that finished last, or
         start one, unless a thread already on its way will take them (it wakes the next
         one if more are left: one wake-up at a time, so a burst of quick jobs runs on the
-        few threads that keep up with it, in one thread's time slice where it can)."""
+        few threads that keep up with it, in one thread's time slice where it can).  A
+        thread the system refuses to start is logged; the jobs wait for a busy one, as
+        they do once ``max_threads`` run."""
         if self._waking:
             return
         if self._idle:
-            self._waking = True
             self._idle.pop().wake.release()
         elif len(self._threads) < self.max_threads:
-            self._waking = True
-            self._start_thread(waking=True)
+            try:
+                self._start_thread(waking=True)
+            except RuntimeError:  # "can't start new thread": out of threads or memory
+                log.warning("thread pool %s cannot start a thread", self.name, exc_info=True)
+                return
+        else:
+            return
+        self._waking = True
 
     def _start_thread(self, *, waking: bool) -> _Thread:
         me = _Thread()
@@ -117,8 +124,8 @@ class WorkerPool:
             name=f"{self.name}-{len(self._threads)}",
             daemon=True,
         )
-        self._threads.append(thread)
         thread.start()
+        self._threads.append(thread)
         return me
 
     def _work(self, me: _Thread, waking: bool) -> None:

@@ -152,3 +152,29 @@ def test_calls_one_at_a_time_run_on_the_thread_that_finished_last() -> None:
     assert len(set(ran_on)) == 1
     assert len(pool._threads) == 3
     pool.shutdown()
+
+
+def test_a_thread_the_system_refuses_leaves_the_job_to_a_busy_one(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    pool = WorkerPool(4, "test")
+    gate, started, second = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        started.set()
+        gate.wait(5)
+
+    pool.submit(first)
+    assert started.wait(5)
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    pool.submit(second.set)  # no thread to wake, none can start: it waits, no error
+    assert "cannot start a thread" in caplog.text
+    gate.set()
+    assert second.wait(5), "the busy thread took it once free"
+    assert len(pool._threads) == 1
+    monkeypatch.undo()
+    pool.shutdown()
