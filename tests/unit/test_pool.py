@@ -61,16 +61,23 @@ def test_a_job_submitted_while_every_thread_is_busy_starts_a_thread() -> None:
     pool.shutdown()
 
 
-def test_blocked_threads_make_the_pool_grow_up_to_its_limit() -> None:
-    pool = WorkerPool(3, "test")
+def blocked_jobs(pool: WorkerPool, submitted: int) -> tuple[threading.Event, threading.Semaphore]:
+    """Submit ``submitted`` jobs that each block until the gate returned is set; the
+    semaphore is released as each one starts."""
     gate, started = threading.Event(), threading.Semaphore(0)
 
     def blocked() -> None:
         started.release()
         gate.wait(5)
 
-    for _ in range(5):
+    for _ in range(submitted):
         pool.submit(blocked)
+    return gate, started
+
+
+def test_blocked_threads_make_the_pool_grow_up_to_its_limit() -> None:
+    pool = WorkerPool(3, "test")
+    gate, started = blocked_jobs(pool, 5)
     for _ in range(3):
         assert started.acquire(timeout=5)
     assert len(pool._threads) == 3  # the limit, though five jobs were submitted
@@ -131,14 +138,7 @@ def test_calls_one_at_a_time_run_on_the_thread_that_finished_last() -> None:
     """Last in, first out: with several threads idle, a worker whose calls come one at a
     time runs them all on one thread (a queue would hand them to each thread in turn)."""
     pool, lock = observed_pool(4)
-    gate, started = threading.Event(), threading.Semaphore(0)
-
-    def blocked() -> None:
-        started.release()
-        gate.wait(5)
-
-    for _ in range(3):
-        pool.submit(blocked)
+    gate, started = blocked_jobs(pool, 3)
     for _ in range(3):
         assert started.acquire(timeout=5)
     gate.set()
