@@ -85,6 +85,9 @@ def checks() -> dict[str, Any]:
         y = rpc.rpc_sync("w1", grad_in_nested_call, args=(x,))
         dist_autograd.backward(context_id, [y.sum()])
         seen["grad"] = dist_autograd.get_gradients(context_id)[x].tolist()
+    for _ in range(3):  # torch's private barrier; each round is forgotten once passed
+        rpc.api._barrier(["w0"])
+    seen["barrier_rounds_kept"] = len(rpc.api._arrived) + len(rpc.api._left)
     return seen
 
 
@@ -124,6 +127,7 @@ def test_compat_api_on_two_workers() -> None:
     assert seen["nested_to_here"] == [2.0]
     assert seen["worker_info"] == (True, True, True)
     assert seen["grad"] == [2.0, 2.0]
+    assert seen["barrier_rounds_kept"] == 0
 
 
 def test_blocking_call_without_init_is_a_clear_error() -> None:

@@ -354,6 +354,7 @@ __getattr__ = private_getattr("torch.distributed.rpc.api")
 
 _arrivals = threading.Condition()
 _arrived: dict[tuple[tuple[str, ...], int], set[str]] = {}
+_left: dict[tuple[tuple[str, ...], int], int] = {}  # callers released from a round so far
 _rounds: dict[tuple[str, ...], int] = {}
 
 
@@ -383,3 +384,6 @@ def _arrive(names: tuple[str, ...], round_: int, who: str, timeout: float) -> No
         if not _arrivals.wait_for(lambda: len(_arrived[key]) == len(names), timeout or None):
             missing = sorted(set(names) - _arrived[key])
             raise RuntimeError(f"barrier timed out after {timeout}s waiting for {missing}")
+        _left[key] = _left.get(key, 0) + 1
+        if _left[key] == len(names):  # the round's last caller out forgets it
+            del _arrived[key], _left[key]
