@@ -132,8 +132,8 @@ class WorkerPool:
         woken = waking or me.wake.acquire()  # (a thread started idle sleeps first)
         while not me.stop:
             job = self._next(me, woken)
-            if job is None:  # idle (or, the pool shut down, stopped)
-                woken = me.wake.acquire()
+            if job is None:  # idle, or told to stop (the pool shut down)
+                woken = not me.stop and me.wake.acquire()
                 continue
             woken = False
             self._run(*job)

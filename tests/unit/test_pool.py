@@ -115,6 +115,19 @@ def test_shutdown_stops_threads_and_refuses_new_jobs() -> None:
         pool.submit(ran.set)
 
 
+def test_threads_busy_at_shutdown_stop_once_their_job_ends() -> None:
+    pool = WorkerPool(3, "test")
+    gate, started = blocked_jobs(pool, 3)
+    for _ in range(3):
+        assert started.acquire(timeout=5)
+    pool.submit(print)  # queued behind them: dropped by the shutdown
+    pool.shutdown()
+    gate.set()
+    for thread in pool._threads:
+        thread.join(5)
+        assert not thread.is_alive()
+
+
 def test_a_finished_job_keeps_nothing_alive() -> None:
     """Arguments (e.g. received tensors holding shared memory) die with their job,
     not when the next job happens to arrive."""
