@@ -213,6 +213,7 @@ async def calls(cfg: Config, job: WorkerArgs) -> Results:
         "rref_method_us": await bounded(cfg, rref_method_us(cfg)),
         "model_parallel_step_us": await bounded(cfg, model_parallel_step_us(cfg)),
         "pipelined_calls_per_s": await bounded(cfg, pipelined_rate(cfg)),
+        "noop_after_burst_us": await bounded(cfg, latency_us(cfg, fns.noop)),
         "memory": await bounded(cfg, memory_probe(cfg)),
         "echo_ms": await echo_rows(cfg, keep_previous=False),
         "debug_info": await bounded(cfg, debug_info_when_settled()),

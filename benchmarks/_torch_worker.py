@@ -193,6 +193,7 @@ def calls(cfg: Config, job: WorkerArgs) -> Results:
         "rref_method_us": rref_method_us(cfg),
         "model_parallel_step_us": model_parallel_step_us(cfg),
         "pipelined_calls_per_s": pipelined_rate(cfg),
+        "noop_after_burst_us": latency_us(cfg, fns.noop),
         "memory": memory_probe(cfg),
         "echo_ms": echo_rows(cfg, keep_previous=False),
     }

@@ -43,7 +43,9 @@ One pair per round runs rows 1 to 8 (``--workloads calls``):
    ``torch.distributed.optim``'s), then leaves the context.  Sequential steps,
    timed like row 1 (smaller counts); the loss must fall over the run.
 6. pipelined no-op: ``noop()`` with 256 calls in flight at all times; calls per
-   second over 20,000 calls.
+   second over 20,000 calls.  Then row 1 again, in the same pair: the no-op round
+   trip after that burst (which grows a callee's thread pool), as a worker's
+   calls come after a fan-out.
 7. tensor echo: ``echo(x)`` returns its float32 argument of 4, 64 and 400 MB;
    each result is dropped before the next call; round-trip time after two
    warm-up echoes (the first one's result is checked).
@@ -616,6 +618,14 @@ def calls_rows(cfg: Config, raw: Raw, side: str = "asyncrpc") -> list[Row]:
             per_s,
             PIPELINED,
             gain,
+        ),
+        (
+            f"no-op round trip, after {cfg.window} in flight",
+            "noop_after_burst_us",
+            None,
+            us,
+            NOOP,
+            speedup,
         ),
     ]
     measured = raw.get(side, {}).get("calls", [])
