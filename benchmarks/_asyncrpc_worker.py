@@ -32,6 +32,7 @@ from _common import (
     parse_worker_args,
     percentiles,
     pin_to,
+    sequential_us,
     size_label,
     summary,
     write_results,
@@ -47,27 +48,6 @@ SERVE_LIMIT_S = 600.0
 
 async def call(func: Any, *args: Any) -> Any:
     return await asyncrpc.rpc_async(CALLEE, func, args=args)
-
-
-async def sequential_us(
-    cfg: Config,
-    once: Callable[[], Awaitable[Any]],
-    counts: tuple[int, int, int] | None = None,
-) -> Results:
-    """Mean time of ``await once()`` run back to back, per batch, after a warm-up.
-
-    ``counts`` is (warm-up, batches, calls per batch); by default ``cfg.call_counts``.
-    """
-    warmup, batches, per_batch = counts or cfg.call_counts
-    for _ in range(warmup):
-        await once()
-    per_call = []
-    for _ in range(batches):
-        start = time.perf_counter_ns()
-        for _ in range(per_batch):
-            await once()
-        per_call.append(ns_to_us(time.perf_counter_ns() - start, per_batch))
-    return summary(per_call)
 
 
 async def latency_us(cfg: Config, func: Any) -> Results:

@@ -6,7 +6,8 @@ import argparse
 import json
 import os
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -337,3 +338,25 @@ def summary(samples: list[float]) -> Results:
 
 def write_results(path: Path, results: Results) -> None:
     path.write_text(json.dumps(results, indent=2, sort_keys=True))
+
+
+async def sequential_us(
+    cfg: Config,
+    once: Callable[[], Awaitable[Any]],
+    counts: tuple[int, int, int] | None = None,
+) -> Results:
+    """Mean time of ``await once()`` run back to back, per batch, after a warm-up (the
+    asyncio workers' rows; torch's worker times its blocking calls the same way).
+
+    ``counts`` is (warm-up, batches, calls per batch); by default ``cfg.call_counts``.
+    """
+    warmup, batches, per_batch = counts or cfg.call_counts
+    for _ in range(warmup):
+        await once()
+    per_call = []
+    for _ in range(batches):
+        start = time.perf_counter_ns()
+        for _ in range(per_batch):
+            await once()
+        per_call.append(ns_to_us(time.perf_counter_ns() - start, per_batch))
+    return summary(per_call)

@@ -44,6 +44,7 @@ from _common import (
     parse_worker_args,
     percentiles,
     pin_to,
+    sequential_us,
     summary,
     write_results,
 )
@@ -52,6 +53,7 @@ from _skeleton import (
     SkeletonClient,
     SkeletonPool,
     SkeletonServer,
+    Spinner,
     coroutine_noop,
     plain_noop,
     rendezvous,
@@ -64,27 +66,6 @@ WORKLOADS = ("calls", "spread", "fanin")
 
 def socket_path(out: Path) -> Path:
     return out / "floor.sock"
-
-
-class Spinner:
-    """Keeps a loop turning while on (each turn polls the sockets with a zero timeout)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._handle: asyncio.Handle | None = None
-
-    def start(self) -> None:
-        if self._handle is None:
-            self._turn()
-
-    def stop(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-
-    def _turn(self) -> None:
-        os.sched_yield()
-        self._handle = self._loop.call_soon(self._turn)
 
 
 # -- the server ---------------------------------------------------------------------------
@@ -138,27 +119,6 @@ async def connect(job: WorkerArgs, limit_s: float) -> SkeletonClient:
             await asyncio.sleep(0.01)
 
 
-async def sequential_us(
-    counts: tuple[int, int, int], once: Callable[[], Awaitable[Any] | Any]
-) -> Results:
-    """As the frameworks' workers time a row: the mean per batch after a warm-up."""
-    warmup, batches, per_batch = counts
-    for _ in range(warmup):
-        await run(once)
-    per_call = []
-    for _ in range(batches):
-        start = time.perf_counter_ns()
-        for _ in range(per_batch):
-            await run(once)
-        per_call.append(ns_to_us(time.perf_counter_ns() - start, per_batch))
-    return summary(per_call)
-
-
-async def run(once: Callable[[], Awaitable[Any] | Any]) -> Any:
-    result = once()
-    return await result if isinstance(result, Awaitable) else result
-
-
 def caller_of(caller: SkeletonClient, function: Callable[..., Any]) -> Callable[[], Any]:
     def once() -> asyncio.Future[Any]:
         caller.function = function
@@ -190,13 +150,13 @@ async def pipelined_rate(cfg: Config, caller: SkeletonClient) -> Results:
     return summary(rates)
 
 
-def local_step() -> Callable[[], torch.Tensor]:
+def local_step() -> Callable[[], Awaitable[torch.Tensor]]:
     """The model-parallel step with both stages here: its compute alone."""
     stage1, stage2 = make_stage1(), Stage2()
     opt = torch.optim.SGD([*stage1.parameters(), *stage2.parameters()], lr=0.01)
     x, y = make_batch()
 
-    def step() -> torch.Tensor:
+    async def step() -> torch.Tensor:
         opt.zero_grad()
         loss = cross_entropy(stage2(stage1(x)), y)
         loss.backward()
@@ -207,16 +167,14 @@ def local_step() -> Callable[[], torch.Tensor]:
 
 
 async def calls(cfg: Config, job: WorkerArgs) -> Results:
-    step = await sequential_us(cfg.step_counts, local_step())  # before the server spins
+    step = await sequential_us(cfg, local_step(), cfg.step_counts)  # before the server spins
     caller = await connect(job, cfg.rpc_timeout)
     pipelined = await pipelined_rate(cfg, caller)
     spinner = Spinner(asyncio.get_running_loop())
     spinner.start()
     results = {
-        "noop_us": await sequential_us(cfg.call_counts, caller_of(caller, plain_noop)),
-        "coroutine_noop_us": await sequential_us(
-            cfg.call_counts, caller_of(caller, coroutine_noop)
-        ),
+        "noop_us": await sequential_us(cfg, caller_of(caller, plain_noop)),
+        "coroutine_noop_us": await sequential_us(cfg, caller_of(caller, coroutine_noop)),
         "pipelined_calls_per_s": pipelined,
         "model_parallel_step_us": step,
     }

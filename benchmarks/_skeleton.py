@@ -163,7 +163,23 @@ class SkeletonClient(asyncio.Protocol):
             self.pending.pop(call_id).set_result(result)
 
 
-def spin_forever(loop: asyncio.AbstractEventLoop) -> None:
-    """Keep the loop turning: each turn polls the sockets with a zero timeout."""
-    os.sched_yield()
-    loop.call_soon(spin_forever, loop)
+class Spinner:
+    """Keeps a loop turning while on: each turn yields the CPU (``sched_yield``) and
+    polls the sockets with a zero timeout, as asyncrpc's poller does after activity."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._handle: asyncio.Handle | None = None
+
+    def start(self) -> None:
+        if self._handle is None:
+            self._turn()
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _turn(self) -> None:
+        os.sched_yield()
+        self._handle = self._loop.call_soon(self._turn)

@@ -779,7 +779,7 @@ def fanin_rows(cfg: Config, raw: Raw, side: str = "asyncrpc") -> list[Row]:
 
 
 def spread_row(raw: Raw, side: str = "asyncrpc") -> list[Row]:
-    if not ran(raw, "spread") or (side == "floor" and "spread" not in raw.get(side, {})):
+    if not ran(raw, "spread"):
         return []
     torch_v, arpc_v = both(raw, "spread", at("noop_us", "p50"), side=side)
 
@@ -825,7 +825,7 @@ def floor_rows(cfg: Config, raw: Raw) -> list[Row]:
     rows = calls_rows(cfg, raw, "floor") if "calls" in floor else []
     if any(key.startswith("fanin/") for key in floor):
         rows += fanin_rows(cfg, raw, "floor")
-    return rows + spread_row(raw, "floor")
+    return rows + (spread_row(raw, "floor") if "spread" in floor else [])
 
 
 def compact(value: float | None) -> str:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvloop
-from _skeleton import SkeletonClient, SkeletonServer, coroutine_noop, plain_noop, spin_forever
+from _skeleton import SkeletonClient, SkeletonServer, Spinner, coroutine_noop, plain_noop
 
 MESSAGE = b"x" * 64
 
@@ -110,7 +110,7 @@ def loop_server(sock: socket.socket, kind: Kind) -> None:
         loop = asyncio.get_running_loop()
         await loop.connect_accepted_socket(kind.server, sock)
         if kind.poll:
-            spin_forever(loop)
+            Spinner(loop).start()
         await asyncio.Event().wait()
 
     with contextlib.suppress(RuntimeError):  # stopped when the client went away
@@ -121,7 +121,7 @@ async def loop_client(sock: socket.socket, calls: int, kind: Kind) -> float:
     loop = asyncio.get_running_loop()
     _, caller = await loop.connect_accepted_socket(kind.client, sock)
     if kind.poll:
-        spin_forever(loop)
+        Spinner(loop).start()
     for _ in range(min(calls, 500)):  # warm up: the first calls pay for caches and threads
         await caller.call()
     start = time.perf_counter()
