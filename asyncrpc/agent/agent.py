@@ -104,6 +104,7 @@ from asyncrpc.agent.shutdown import (
 )
 from asyncrpc.agent.shutdown import Action as ShutdownAction
 from asyncrpc.agent.transfer import (
+    BY_NAME,
     PLAIN,
     carried,
     dumps_reply,
@@ -129,6 +130,7 @@ from asyncrpc.serde.devices import (
     devices_used,
     route,
 )
+from asyncrpc.serde.references import reference
 from asyncrpc.transport import (
     DEFAULT_BUDGET,
     DEFAULT_MAX_IDLE,
@@ -560,7 +562,9 @@ class RpcAgent:
         peer = target.name
         name = label or function_name(func)
         call_id = next(self._ids)
-        value = (func, args or (), kwargs or {})
+        # The function by name beside the arguments, if it has one (serde.references).
+        by_name = reference(func)
+        value = (args or (), kwargs or {}) if by_name else (func, args or (), kwargs or {})
         # A plain value's payload; else reducers take part, and an Outgoing owns their effects.
         request: bytes | Outgoing | None = dumps_plain(value)
         if request is None:
@@ -573,6 +577,8 @@ class RpcAgent:
             raise self._too_large(link, peer, name, size)
         future = self._pend(call_id, peer, name, timeout)
         meta = {"i": call_id, "f": name} if isinstance(request, bytes) else request.meta
+        if by_name:
+            meta[BY_NAME] = by_name
         context_values = carried()
         if context_values:
             meta["c"] = context_values

@@ -66,7 +66,7 @@ from asyncrpc.agent.metrics import CallMetrics
 from asyncrpc.agent.outgoing import Outgoing
 from asyncrpc.agent.runner import Runner, cancel_call
 from asyncrpc.agent.spans import ServedSpan, profiling
-from asyncrpc.agent.transfer import PLAIN, apply_carried, carried
+from asyncrpc.agent.transfer import BY_NAME, PLAIN, apply_carried, carried
 from asyncrpc.errors import (
     LocalProtocolError,
     RemoteError,
@@ -74,6 +74,7 @@ from asyncrpc.errors import (
     SerializationError,
 )
 from asyncrpc.serde import dumps_plain, is_plain
+from asyncrpc.serde.references import resolve
 from asyncrpc.transport import Link
 from asyncrpc.transport.flow import Parts
 from asyncrpc.wire import Frame, Kind
@@ -224,10 +225,16 @@ class Inbound:
         if profiling():
             call.span = ServedSpan(call.function, link.peer.name, call_id)
         waits: list[asyncio.Future[Any]] = []
+        by_name = meta.get(BY_NAME)
         try:
-            func, args, kwargs = self._loads_request(
+            func = None if by_name is None else resolve(by_name)
+            value = self._loads_request(
                 link.peer.rank, frame.payload, frame.buffers, plain=PLAIN in meta, waits=waits
             )
+            if func is None:
+                func, args, kwargs = value
+            else:
+                args, kwargs = value
         except Exception as exc:
             self._count(call, "error")
             self._reply_error(

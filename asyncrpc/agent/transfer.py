@@ -78,6 +78,10 @@ class Transfer:
 
 PLAIN: Final = "p"
 """Header key of a message whose payload no reducer had a part in (see the module doc)."""
+BY_NAME: Final = "r"
+"""Header key of a request whose function travels by name, ``"module:qualname"``, beside
+its payload of ``(args, kwargs)`` (see serde.references); without it the payload is
+``(function, args, kwargs)``."""
 
 _transfer: contextvars.ContextVar[Transfer | None] = contextvars.ContextVar(
     "asyncrpc_transfer", default=None

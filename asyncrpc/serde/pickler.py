@@ -48,6 +48,7 @@ import torch
 from asyncrpc.errors import AsyncRPCError, SerializationError
 from asyncrpc.serde import cuda
 from asyncrpc.serde.arrays import reduce_ndarray
+from asyncrpc.serde.references import BY_REFERENCE
 from asyncrpc.serde.sparse import dump_sparse, load_sparse
 from asyncrpc.serde.tensors import (
     byte_view,
@@ -245,15 +246,9 @@ def loads(payload: bytes | bytearray, buffers: Sequence[Any] = ()) -> Any:
     except SerializationError:
         raise
     except (AttributeError, ImportError) as exc:  # a function or class not defined here
-        raise SerializationError(f"cannot deserialize payload: {exc!r}; {_BY_REFERENCE}") from exc
+        raise SerializationError(f"cannot deserialize payload: {exc!r}; {BY_REFERENCE}") from exc
     except Exception as exc:
         raise SerializationError(f"cannot deserialize payload: {exc!r}") from exc
-
-
-_BY_REFERENCE = (
-    "the RPC pickler does not serialize function code: functions and classes travel by "
-    "module and name, so define them on both caller and callee"
-)
 
 
 _SHORT = reprlib.Repr()

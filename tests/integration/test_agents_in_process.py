@@ -6,6 +6,7 @@ import asyncio
 import gc
 import operator
 import os
+import pickle
 import socket
 import struct
 import threading
@@ -27,9 +28,10 @@ from asyncrpc.agent import (
     current_agent,
     inbound,
 )
-from asyncrpc.agent.transfer import PLAIN
+from asyncrpc.agent.transfer import BY_NAME, PLAIN
 from asyncrpc.errors import LocalProtocolError, SerializationError
 from asyncrpc.transport import NETWORK, Link
+from asyncrpc.wire import Kind
 from tests.in_process import SECRET, joined_agents
 
 pytestmark = pytest.mark.timeout(30)
@@ -424,6 +426,41 @@ async def test_plain_requests_and_replies_are_marked_plain_and_others_are_not(
     marked.clear()
     assert await a.rpc_async("b", torch.numel, args=(torch.ones(3),)) == 3
     assert marked == [("request", False), ("reply", True)]
+
+
+async def test_a_function_found_by_name_travels_beside_its_arguments_and_others_inside(
+    pair: tuple[RpcAgent, RpcAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A module-level function goes as ``module:qualname`` in the header, its payload
+    only the arguments; any other callable (a builtin, a bound method) still pickles
+    with them.  Both kinds run, plain or not, and a name the callee cannot find fails
+    that call alone."""
+    a, b = pair
+    seen: list[tuple[Any, Any]] = []
+    on_request = b._inbound.on_request
+
+    def recording(link: Link, frame: Any) -> None:
+        seen.append((frame.meta.get(BY_NAME), bytes(frame.payload)))
+        on_request(link, frame)
+
+    monkeypatch.setattr(b._inbound, "on_request", recording)
+    assert await a.rpc_async("b", small_result, args=(3,)) == (3, "ok")
+    name, payload = seen.pop()
+    assert name == f"{__name__}:small_result" and pickle.loads(payload) == ((3,), {})
+    assert await a.rpc_async("b", torch.numel, args=(torch.ones(3),)) == 3  # not plain
+    name, payload = seen.pop()
+    assert name is None and b"numel" in payload
+    assert torch.equal(await a.rpc_async("b", tensor_result, args=(2,)), torch.full((4,), 2.0))
+    assert seen.pop()[0] == f"{__name__}:tensor_result"
+
+    call_id = next(a._ids)
+    call = a._pend(call_id, "b", "missing", 5.0)
+    meta = {"i": call_id, "f": "missing", BY_NAME: f"{__name__}:not_defined_here"}
+    a._links["b"].send(Kind.REQUEST, meta, pickle.dumps(((), {})))
+    with pytest.raises(SerializationError, match="not_defined_here") as caught:
+        await call
+    assert "does not serialize function code" in str(caught.value)
+    assert await a.rpc_async("b", operator.add, args=(2, 2)) == 4
 
 
 async def test_an_unpicklable_plain_result_fails_its_call_naming_it_and_the_worker_serves_on(
