@@ -575,7 +575,6 @@ class RpcAgent:
             if isinstance(request, Outgoing):
                 request.abandon()
             raise self._too_large(link, peer, name, size)
-        future = self._pend(call_id, peer, name, timeout)
         meta = {"i": call_id, "f": name} if isinstance(request, bytes) else request.meta
         if by_name:
             meta[BY_NAME] = by_name
@@ -586,24 +585,30 @@ class RpcAgent:
         if isinstance(request, bytes):  # plain: nothing to undo or stage
             meta[PLAIN] = True
             if not notices and link is not None and peer not in self._backlog:
-                self._write_plain(link, call_id, meta, request)
-                return future
+                return self._write_plain(link, peer, call_id, meta, request, timeout=timeout)
             request = Outgoing(Kind.REQUEST, meta, request, function=name)
         if notices:
             request.carry(notices, functools.partial(self._notices.give_back, peer))
+        future = self._pend(call_id, peer, name, timeout)
         self._send(peer, request)
         return future
 
     def _pend(
-        self, call_id: int, peer: str, name: str, timeout: float | None
+        self,
+        call_id: int,
+        peer: str,
+        name: str,
+        timeout: float | None,
+        started: float | None = None,
     ) -> asyncio.Future[Any]:
-        """Record call ``call_id`` as pending, with its deadline; the future of its result."""
+        """Record call ``call_id`` as pending, with its deadline; the future of its result.
+        ``started``: when it was sent, if it already was (default: now)."""
         call = PendingCall(
             self._loop.create_future(),
             peer,
             name,
             self.options.timeout_for(timeout),
-            time.perf_counter(),
+            time.perf_counter() if started is None else started,
         )
         if spans.profiling():
             call.span = spans.begin_call(name, peer, call_id, self.info.name)
@@ -612,13 +617,31 @@ class RpcAgent:
             self._deadlines.add(call_id, call.timeout)
         return call.future
 
-    def _write_plain(self, link: Link, call_id: int, meta: dict[str, Any], payload: bytes) -> None:
-        """Write a plain request that carries no notices (so nothing to undo or give back
-        if it never leaves: its call just fails, with the link's error)."""
+    def _write_plain(
+        self,
+        link: Link,
+        peer: str,
+        call_id: int,
+        meta: dict[str, Any],
+        payload: bytes,
+        *,
+        timeout: float | None,
+    ) -> asyncio.Future[Any]:
+        """Write a plain request that carries no notices, then record it as pending: that
+        bookkeeping runs while the request travels (its reply is read on a later turn of
+        this loop, never before).  If the link refuses it, the call fails with the link's
+        error (nothing to undo or give back).  The future of its result."""
+        name = meta["f"]
+        started = time.perf_counter()
+        error: Exception | None = None
         try:
-            send_unless_lost(link, REQUEST, meta, payload, function=meta["f"])
+            send_unless_lost(link, REQUEST, meta, payload, function=name)
         except Exception as exc:
-            self._finish(call_id, error=exc)
+            error = exc
+        future = self._pend(call_id, peer, name, timeout, started)
+        if error is not None:
+            self._finish(call_id, error=error)
+        return future
 
     def _too_large(self, link: Link | None, peer: str, name: str, size: int) -> LocalProtocolError:
         """A call too large for the link's limits (ours alone while it is not dialed)."""

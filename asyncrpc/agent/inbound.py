@@ -391,7 +391,6 @@ class Inbound:
             if ok and type(value) is EncodedReply:
                 value.reply.abandon()  # nobody awaits it
             return
-        self._count(call, "ok" if ok else "error")
         if not ok:
             self._reply_failure(call, value)
         elif type(value) is EncodedReply:
@@ -399,6 +398,7 @@ class Inbound:
             value.reply.sent()
         else:
             self._send_result(call, value)
+        self._count(call, "ok" if ok else "error")  # (while the reply travels)
 
     def _count(self, call: IncomingCall, outcome: str) -> None:
         now = time.perf_counter()

@@ -587,10 +587,12 @@ class Link(asyncio.BufferedProtocol):
             parts = [*self._encode_keys(), *parts]
             if not parts:
                 return
-        self.handler.frames_sent(self)
-        if not self._writes.in_turn:
-            self._loop.call_soon(self._end_turn)
+        first_in_turn = not self._writes.in_turn
         self._write_parts(self._writes.send(parts))
+        # What is left runs while the message travels.
+        if first_in_turn:
+            self._loop.call_soon(self._end_turn)
+        self.handler.frames_sent(self)
 
     def _end_turn(self) -> None:
         self._write_parts(self._writes.end_turn())
