@@ -90,7 +90,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, Final, Protocol, cast
 
 from asyncrpc.errors import (
     HandshakeError,
@@ -137,6 +137,9 @@ from asyncrpc.wire import (
 log = logging.getLogger("asyncrpc.transport")
 FRAMES_PER_TURN = 32
 """Frames handed up per loop turn before the loop gets to run other work."""
+_RELEASE: Final = int(Kind.RELEASE)  # (the kinds a link handles itself, as ints: every
+_UNMAP: Final = int(Kind.UNMAP)  # frame is compared with them)
+_STRIPES: Final = int(Kind.STRIPES)
 INLINE_COPY_MAX = 4 << 20
 """Bytes.  A copy this small into a warm segment (pages faulted in by an earlier copy)
 runs on the loop: it costs other work no more than a trip to a copier thread and back
@@ -196,6 +199,7 @@ class Link(asyncio.BufferedProtocol):
     ) -> None:
         self.handler = handler
         self.handshake = handshake
+        self._up = False  # the handshake is established (read on every frame)
         self.max_frame_size = handshake.max_frame_size  # the largest body we accept
         self.max_send_size = self.max_frame_size  # and the peer's, once it is known
         self.ready: asyncio.Future[Link] = asyncio.get_running_loop().create_future()
@@ -661,19 +665,20 @@ class Link(asyncio.BufferedProtocol):
     # -- receiving -----------------------------------------------------------------
 
     def _dispatch(self, frame: Frame) -> None:
-        if not self.handshake.established:  # the decoder lets through nothing else until then
+        kind = frame.kind
+        if not self._up:  # the decoder lets through nothing else until then
             self._on_handshake_frame(frame)
-        elif frame.kind == Kind.RELEASE:
+        elif kind == _RELEASE:
             if self._segments is not None:
                 self._segments.release(_keys(frame), self)
-        elif frame.kind == Kind.UNMAP:
+        elif kind == _UNMAP:
             self._mapper.forget(_keys(frame))
-        elif frame.kind == Kind.STRIPES:
+        elif kind == _STRIPES:
             self._on_stripes_decided(frame.meta)
         else:
-            waits = self._resolve_external(frame)
+            waits = self._resolve_external(frame) if frame.buffers else None
             if waits or self._held:
-                self._held.append((frame, waits))
+                self._held.append((frame, set() if waits is None else waits))
             else:
                 self.handler.frame_received(self, frame)
 
@@ -688,6 +693,7 @@ class Link(asyncio.BufferedProtocol):
 
     def _established(self) -> None:
         """The peer is authenticated: raise the limits, then tell the owner."""
+        self._up = True
         self._handshake_timer.cancel()
         theirs = self.handshake.peer_max_frame_size
         assert theirs is not None, "announced in the handshake"

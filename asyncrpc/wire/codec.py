@@ -274,7 +274,13 @@ class FrameDecoder:
         """Return the next complete frame, or ``NEED_DATA``."""
         if self._ready and self._error is None:  # poisoned: frames parsed before it too
             return self._ready.popleft()
-        return self._guarded(self._advance)
+        if self._error is not None:  # (_guarded, inlined: this is every frame's path)
+            raise self._error
+        try:
+            return self._advance()
+        except RemoteProtocolError as exc:
+            self._error = exc
+            raise
 
     def _guarded(self, step: Callable[[], Frame | _NeedData]) -> Frame | _NeedData:
         if self._error is not None:
@@ -330,16 +336,16 @@ class FrameDecoder:
             or type(kind) is not int
             or kind not in self._kinds
             or type(descriptors) is not list
-            or not all(type(d) is int and d >= 0 for d in descriptors)
+            or (descriptors and not all(type(d) is int and d >= 0 for d in descriptors))
         ):
             return None
-        body_end = header_end + size + sum(descriptors)
+        body_end = header_end + size + (sum(descriptors) if descriptors else 0)
         if not 0 <= size <= body_end - header_end <= self._small_body:
             return None
         if body_end > end:
             return None
         at = header_end + size
-        frame = Frame(kind, meta, bytes(self._view[header_end:at]), [])
+        frame = Frame(kind, meta, self._staging[header_end:at], [])
         for nbytes in descriptors:
             owner, view = self._allocate(nbytes)
             view[:] = self._view[at : at + nbytes]
