@@ -40,7 +40,7 @@ import reprlib
 import threading
 from collections.abc import Callable, Sequence
 from types import FunctionType
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import torch
@@ -66,6 +66,7 @@ _PLAIN_TYPES: set[type] = {type(None), bool, int, float, complex, str, bytes, Fu
 """Types whose instances pickle the same with or without our reducers (a function
 pickles by reference); ``register_reducer`` takes its type out."""
 _PLAIN_ITEMS = 8
+_NONE: Final = pickle.dumps(None, protocol=5)  # what most replies of a procedure are
 _PLAIN_DEPTH = 2
 
 
@@ -184,8 +185,11 @@ def dumps_plain(value: Any) -> bytes | None:
     """The payload of a value no reducer has a part in (built-in scalars, functions, and
     small tuples, lists and str-keyed dicts of them, like most small calls and their
     replies), pickled by the C pickler alone; None for any other value (use ``dumps``).
-    Here a no-op call's request takes 1.8 -> 1.4 µs and a None reply 0.97 -> 0.29 µs."""
-    if not is_plain(value):
+    Here a no-op call's request takes 1.8 -> 1.4 µs and a None reply 0.97 -> 0.29 µs (and
+    0.05 µs since None's pickle is kept)."""
+    if value is None:
+        return _NONE
+    if not _plain(value, 0):
         return None
     try:
         return pickle.dumps(value, protocol=5)
