@@ -464,6 +464,27 @@ async def test_a_function_found_by_name_travels_beside_its_arguments_and_others_
     assert await a.rpc_async("b", operator.add, args=(2, 2)) == 4
 
 
+async def test_a_plain_request_its_link_refuses_fails_its_call_and_leaves_nothing_pending(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    """A plain request is recorded as pending only after its write: if the link refuses
+    it (lost, its loss not yet handled), its call still fails with the link's error,
+    is counted, and is no longer pending."""
+    a, _ = pair
+    assert await a.rpc_async("b", small_result, args=(1,)) == (1, "ok")
+    link = a._links["b"]
+    link.closed = True  # as between the connection's loss and link_lost
+    try:
+        with pytest.raises(PeerLostError, match="lost before the message was written"):
+            await a.rpc_async("b", small_result, args=(2,))
+    finally:
+        link.closed = False
+    assert a.debug_info()["pending_outgoing_calls"] == 0
+    made = a.metrics.snapshot()["made"][f"{__name__}.small_result"]["outcomes"]
+    assert made == {"ok": 1, "lost": 1}
+    assert await a.rpc_async("b", small_result, args=(3,)) == (3, "ok")
+
+
 async def test_an_unpicklable_plain_result_fails_its_call_naming_it_and_the_worker_serves_on(
     pair: tuple[RpcAgent, RpcAgent],
 ) -> None:
