@@ -921,7 +921,6 @@ class RpcAgent:
         if self._early_frames is not None:  # not joined yet: handled in join()
             self._early_frames.append((link, frame))
             return
-        self._poller.kick()
         notices = frame.meta.get("n")
         if notices is not None:
             handle(self, link.peer.rank, notices)
@@ -934,6 +933,7 @@ class RpcAgent:
             self._inbound.on_cancel(link, frame)
         elif kind == Kind.SHUTDOWN:
             self._on_shutdown_notice(link, frame.meta.get("phase"))
+        self._poller.kick(behind=True)  # after what the frame scheduled
 
     def frames_sent(self, link: Link) -> None:
         self._poller.kick()  # a request or a reply left: an answer, or the next call, may follow

@@ -25,6 +25,10 @@ that thread would otherwise wait for the scheduler's next tick, and then for
 the GIL (docs/architecture.md has what yielding saved).  The loop thread
 releases the GIL in every poll, but a thread that spins still competes for it,
 so the agent does not want spinning while slow pool jobs run.  A window of 0 turns polling off.
+
+A frame handed up usually schedules work: the waiter of a reply, the task of a call.
+The next turn is already queued ahead of it, so its yield would run first, on the
+message's path; ``kick(behind=True)`` puts that turn behind the work (once a turn).
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ class BusyPoller:
         self._loop = asyncio.get_running_loop()
         self._until = 0.0
         self._active = False
+        self._next: asyncio.Handle | None = None  # the next turn, while active
+        self._moved = False  # the next turn was put behind work scheduled this turn
         self._ran_out_at: float | None = None  # polling found nothing until then
         self.window = window
 
@@ -66,8 +72,10 @@ class BusyPoller:
     def window(self, seconds: float) -> None:
         self._window = self.current = seconds
 
-    def kick(self) -> None:
-        """Activity happened: poll for up to the current window from now."""
+    def kick(self, *, behind: bool = False) -> None:
+        """Activity happened: poll for up to the current window from now.  ``behind``:
+        it scheduled work (a reply's waiter, a call's task), which the next turn, with
+        its ``sched_yield``, must not come before (once per turn, however many frames)."""
         if self._window <= 0:
             return
         now = self._clock()
@@ -77,7 +85,12 @@ class BusyPoller:
         self._until = now + self.current
         if not self._active:
             self._active = True
-            self._loop.call_soon(self._turn)
+            self._moved = True
+            self._next = self._loop.call_soon(self._turn)
+        elif behind and not self._moved and self._next is not None:
+            self._moved = True
+            self._next.cancel()
+            self._next = self._loop.call_soon(self._turn)
 
     def _adapt(self, gap: float) -> None:
         """The last poll ran out; activity came ``gap`` seconds after the one before."""
@@ -91,7 +104,8 @@ class BusyPoller:
         os.sched_yield()  # see the module docstring
         now = self._clock()
         if now < self._until and self._wanted():
-            self._loop.call_soon(self._turn)
+            self._moved = False
+            self._next = self._loop.call_soon(self._turn)
             return
         self._active = False
         if now >= self._until:

@@ -104,3 +104,30 @@ async def test_a_zero_window_never_polls_and_setting_the_window_resets_it() -> N
     poller.current = 5 * WINDOW
     poller.window = 2 * WINDOW
     assert poller.current == 2 * WINDOW
+
+
+async def test_work_a_frame_scheduled_runs_before_the_next_turn_and_its_yield() -> None:
+    """A frame handed up schedules work (a reply's waiter, a call's task): the poller's
+    next turn, already queued, goes behind it, once a turn however many frames come."""
+    order: list[str] = []
+    poller, clock = await make()
+    turn = poller._turn
+
+    def recording_turn() -> None:
+        order.append("turn")
+        turn()
+
+    poller._turn = recording_turn  # type: ignore[method-assign]
+    poller.kick()  # polling: a turn is queued
+    await asyncio.sleep(0)
+    order.clear()
+    loop = asyncio.get_running_loop()
+    loop.call_soon(order.append, "first frame's work")
+    poller.kick(behind=True)
+    loop.call_soon(order.append, "second frame's work")
+    poller.kick(behind=True)  # the turn moves once: it is already behind the first
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert order[:3] == ["first frame's work", "turn", "second frame's work"]
+    await run_out(poller, clock)
+    assert order.count("turn") >= 2 and not poller._active
