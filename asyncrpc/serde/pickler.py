@@ -66,8 +66,8 @@ _PLAIN_TYPES: set[type] = {type(None), bool, int, float, complex, str, bytes, Fu
 """Types whose instances pickle the same with or without our reducers (a function
 pickles by reference); ``register_reducer`` takes its type out."""
 _PLAIN_ITEMS = 8
-_NONE: Final = pickle.dumps(None, protocol=5)  # what most replies of a procedure are
 _PLAIN_DEPTH = 2
+_NONE: Final = pickle.dumps(None, protocol=5)  # what most replies of a procedure are
 
 
 def register_reducer(cls: type, reducer: Callable[[Any], Any]) -> None:

@@ -267,26 +267,22 @@ class FrameDecoder:
             self.buffer_updated(n)
             view = view[n:]
             # Parse as we go, so that staged bytes move on into their destinations.
-            while not isinstance(frame := self._guarded(self._advance), _NeedData):
+            while not isinstance(frame := self._guarded_advance(), _NeedData):
                 self._ready.append(frame)
 
     def next_event(self) -> Frame | _NeedData:
         """Return the next complete frame, or ``NEED_DATA``."""
         if self._ready and self._error is None:  # poisoned: frames parsed before it too
             return self._ready.popleft()
-        if self._error is not None:  # (_guarded, inlined: this is every frame's path)
-            raise self._error
-        try:
-            return self._advance()
-        except RemoteProtocolError as exc:
-            self._error = exc
-            raise
+        return self._guarded_advance()
 
-    def _guarded(self, step: Callable[[], Frame | _NeedData]) -> Frame | _NeedData:
+    def _guarded_advance(self) -> Frame | _NeedData:
+        """``_advance``, poisoning the decoder on a protocol error (a method of its own,
+        not a wrapper taking ``_advance``: no bound method made on every frame's path)."""
         if self._error is not None:
             raise self._error
         try:
-            return step()
+            return self._advance()
         except RemoteProtocolError as exc:
             self._error = exc
             raise
