@@ -85,6 +85,8 @@ from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+import torch
+
 from asyncrpc.agent import spans
 from asyncrpc.agent.deadlines import Deadlines
 from asyncrpc.agent.dispatch import function_name, unpack_error
@@ -92,7 +94,7 @@ from asyncrpc.agent.inbound import Inbound
 from asyncrpc.agent.metrics import call_metrics, outcome_of
 from asyncrpc.agent.notices import Notice, Notices, delivered, handle
 from asyncrpc.agent.outgoing import Outgoing, send_unless_lost
-from asyncrpc.agent.polling import BusyPoller
+from asyncrpc.agent.polling import BusyPoller, oversubscribed
 from asyncrpc.agent.routes import Routes
 from asyncrpc.agent.shutdown import (
     PHASES,
@@ -338,6 +340,11 @@ class RpcAgent:
         self._workers = {w.name: w for w in workers}
         self._by_rank = {w.rank: w for w in workers}
         self._poller.window = self._busy_poll_window(workers)
+        crowded = oversubscribed(
+            self._workers_here(workers), torch.get_num_threads(), len(os.sched_getaffinity(0))
+        )
+        if crowded is not None:
+            log.warning("worker %r: %s", self.info.name, crowded)
         self._shutdown = ShutdownBarrier(name for name in self._workers if name != self.info.name)
         self.state = Lifecycle.RUNNING
         early, self._early_frames = self._early_frames or [], None
@@ -389,8 +396,12 @@ class RpcAgent:
         host can have a CPU of its own (a spinning loop takes one from a busy peer)."""
         if self.options.busy_poll is not None:
             return self.options.busy_poll
-        here = sum(1 for w in workers if self.host.refusal(Host.parse(w.host), KERNEL) is None)
+        here = self._workers_here(workers)
         return DEFAULT_BUSY_POLL if here <= len(os.sched_getaffinity(0)) else 0.0
+
+    def _workers_here(self, workers: list[WorkerAddress]) -> int:
+        """How many of ``workers`` (this one included) run on this host's kernel."""
+        return sum(1 for w in workers if self.host.refusal(Host.parse(w.host), KERNEL) is None)
 
     async def shutdown(self, graceful: bool = True, timeout: float | None = None) -> None:
         """Leave the job.  Graceful: wait for our calls and for every live peer to call

@@ -29,6 +29,13 @@ so the agent does not want spinning while slow pool jobs run.  A window of 0 tur
 A frame handed up usually schedules work: the waiter of a reply, the task of a call.
 The next turn is already queued ahead of it, so its yield would run first, on the
 message's path; ``kick(behind=True)`` puts that turn behind the work (once a turn).
+
+Workers are not the only threads that spin.  After each parallel op, torch's OpenMP
+threads spin for milliseconds before they sleep (8-10 ms of CPU after a 4 MB
+``copy_`` here), so workers that each run ops on several threads, more threads in all
+than the host has CPUs, take CPUs from one another and from their loops.
+:func:`oversubscribed` says so, and what to set, as torchrun does when it starts
+several workers on one host.
 """
 
 from __future__ import annotations
@@ -110,3 +117,19 @@ class BusyPoller:
         self._active = False
         if now >= self._until:
             self._ran_out_at = self._until
+
+
+def oversubscribed(workers: int, threads: int, cpus: int) -> str | None:
+    """Why ``workers`` on one host, each running torch ops on ``threads`` intra-op
+    threads, crowd its ``cpus`` CPUs, and what to set instead; None if they do not (or
+    fewer threads each would not help)."""
+    if threads <= 1 or workers * threads <= cpus:
+        return None
+    each = max(1, cpus // workers)
+    return (
+        f"{workers} workers share this host's {cpus} CPUs and each runs torch ops on "
+        f"{threads} threads: after every parallel op OpenMP's threads spin for "
+        f"milliseconds, taking CPUs from the other workers and their event loops; set "
+        f"torch.set_num_threads({each}) (or OMP_NUM_THREADS={each}) in each worker, as "
+        f"torchrun does for several workers on one host (docs/deploy.md)"
+    )

@@ -567,6 +567,26 @@ async def test_busy_polling_only_while_this_hosts_workers_have_a_cpu_each(
     assert a._busy_poll_window(crowd) == 1e-3  # as configured
 
 
+async def test_joining_warns_when_the_workers_torch_threads_crowd_this_hosts_cpus(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cpus)  # torch's default
+    with caplog.at_level("WARNING", logger="asyncrpc.agent"):
+        async with joined_agents("ab", AgentOptions(transports=("unix",))):
+            pass
+    crowded = [r.getMessage() for r in caplog.records if "OMP_NUM_THREADS" in r.getMessage()]
+    assert len(crowded) == 2 and "worker 'a'" in crowded[0] and "worker 'b'" in crowded[1]
+    each = max(1, cpus // 2)
+    assert f"torch.set_num_threads({each})" in crowded[0]
+    caplog.clear()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    with caplog.at_level("WARNING", logger="asyncrpc.agent"):
+        async with joined_agents("ab", AgentOptions(transports=("unix",))):
+            pass
+    assert not [r for r in caplog.records if "OMP_NUM_THREADS" in r.getMessage()]
+
+
 async def call_back_the_caller() -> str:
     """Runs on b: needs b to know every worker, as any call that calls onwards does."""
     agent = current_agent()

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from asyncrpc.agent.polling import GROWTH, MAX_FACTOR, BusyPoller
+from asyncrpc.agent.polling import GROWTH, MAX_FACTOR, BusyPoller, oversubscribed
 
 pytestmark = pytest.mark.timeout(10)
 WINDOW = 300e-6
@@ -131,3 +131,26 @@ async def test_work_a_frame_scheduled_runs_before_the_next_turn_and_its_yield() 
     assert order[:3] == ["first frame's work", "turn", "second frame's work"]
     await run_out(poller, clock)
     assert order.count("turn") >= 2 and not poller._active
+
+
+@pytest.mark.parametrize(
+    ("workers", "threads", "cpus", "each"),
+    [(2, 2, 2, 1), (3, 4, 8, 2), (4, 8, 2, 1), (2, 16, 16, 8)],
+)
+def test_workers_whose_torch_threads_crowd_the_cpus_are_told_what_to_set(
+    workers: int, threads: int, cpus: int, each: int
+) -> None:
+    why = oversubscribed(workers, threads, cpus)
+    assert why is not None
+    assert f"{workers} workers share this host's {cpus} CPUs" in why
+    assert f"torch.set_num_threads({each})" in why and f"OMP_NUM_THREADS={each}" in why
+
+
+@pytest.mark.parametrize(
+    ("workers", "threads", "cpus"),
+    [(1, 2, 2), (2, 1, 2), (3, 1, 2), (2, 2, 4), (4, 4, 16)],
+)
+def test_workers_with_a_cpu_for_every_thread_or_one_thread_each_are_not_told(
+    workers: int, threads: int, cpus: int
+) -> None:
+    assert oversubscribed(workers, threads, cpus) is None
