@@ -108,6 +108,7 @@ from asyncrpc.agent.shutdown import Action as ShutdownAction
 from asyncrpc.agent.transfer import (
     BY_NAME,
     PLAIN,
+    TENSORS,
     carried,
     dumps_reply,
     dumps_request,
@@ -885,8 +886,14 @@ class RpcAgent:
         if call is None or call.peer != link.peer.name:
             return  # a late reply to a call that already timed out
         try:
+            meta = frame.meta
             value = loads_reply(
-                self, link.peer.rank, frame.payload, frame.buffers, plain=PLAIN in frame.meta
+                self,
+                link.peer.rank,
+                frame.payload,
+                frame.buffers,
+                plain=PLAIN in meta,
+                tensors=meta.get(TENSORS),
             )
             if frame.kind == RESPONSE:
                 self._finish(call_id, result=value)

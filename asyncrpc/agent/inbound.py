@@ -66,7 +66,7 @@ from asyncrpc.agent.metrics import CallMetrics
 from asyncrpc.agent.outgoing import Outgoing
 from asyncrpc.agent.runner import Runner, cancel_call
 from asyncrpc.agent.spans import ServedSpan, profiling
-from asyncrpc.agent.transfer import BY_NAME, PLAIN, apply_carried, carried
+from asyncrpc.agent.transfer import BY_NAME, PLAIN, TENSORS, apply_carried, carried
 from asyncrpc.errors import (
     LocalProtocolError,
     RemoteError,
@@ -88,8 +88,9 @@ INLINE_BELOW = 1e-3
 
 
 class LoadsRequest(Protocol):
-    """A request's ``(func, args, kwargs)`` (``plain``: its header says ``PLAIN``); futures
-    the call must not start before are added to ``waits``."""
+    """A request's ``(func, args, kwargs)`` (``plain``: its header says ``PLAIN``;
+    ``tensors``: its ``TENSORS``); futures the call must not start before are added to
+    ``waits``."""
 
     def __call__(
         self,
@@ -99,6 +100,7 @@ class LoadsRequest(Protocol):
         *,
         plain: bool,
         waits: list[asyncio.Future[Any]],
+        tensors: Any = None,
     ) -> Any: ...
 
 
@@ -229,7 +231,12 @@ class Inbound:
         try:
             func = None if by_name is None else resolve(by_name)
             value = self._loads_request(
-                link.peer.rank, frame.payload, frame.buffers, plain=PLAIN in meta, waits=waits
+                link.peer.rank,
+                frame.payload,
+                frame.buffers,
+                plain=PLAIN in meta,
+                waits=waits,
+                tensors=meta.get(TENSORS),
             )
             if func is None:
                 func, args, kwargs = value

@@ -52,6 +52,7 @@ from typing import Any, Final
 
 from asyncrpc.agent.outgoing import Outgoing, Undo, undo_all
 from asyncrpc.serde import cuda, dumps, loads
+from asyncrpc.serde.lean import dumps_lean, loads_lean
 from asyncrpc.wire import Kind
 
 
@@ -76,6 +77,9 @@ class Transfer:
         return f"reply of {self.function}"
 
 
+TENSORS: Final = "t"
+"""Header key of a plain message's tensors and arrays: their entries (serde.lean), in
+the order of its buffers."""
 PLAIN: Final = "p"
 """Header key of a message whose payload no reducer had a part in (see the module doc)."""
 BY_NAME: Final = "r"
@@ -164,6 +168,11 @@ def dumps_reply(agent: Any, peer_rank: int, value: Any, *, call_id: int, functio
 
 def _dumps(agent: Any, peer_rank: int, request: bool, function: str, value: Any) -> Outgoing:
     kind = Kind.REQUEST if request else Kind.RESPONSE
+    lean = dumps_lean(value)
+    if lean is not None:  # no reducer has a part in it: nothing to undo or stage
+        payload, entries, buffers = lean
+        meta: dict[str, Any] = {PLAIN: True, TENSORS: entries} if entries else {PLAIN: True}
+        return Outgoing(kind, meta, payload, buffers, function=function)
     transfer = Transfer(agent, peer_rank, request, function=function)
     token = _transfer.set(transfer)
     try:
@@ -186,20 +195,31 @@ def loads_request(
     *,
     plain: bool,
     waits: list[asyncio.Future[Any]],
+    tensors: Any = None,
 ) -> Any:
     """``serde.loads`` for a request from ``peer_rank`` (``plain``: its header says
-    ``PLAIN``); its call must not start before the futures added to ``waits`` are done
-    (see :func:`start_after`)."""
+    ``PLAIN``; ``tensors``: its ``TENSORS``, if any); its call must not start before the
+    futures added to ``waits`` are done (see :func:`start_after`)."""
+    if tensors is not None:
+        return loads_lean(payload, tensors, buffers)
     if plain:
         return loads(payload, buffers)
     return _loads(Transfer(agent, peer_rank, True, waits=waits), payload, buffers)
 
 
 def loads_reply(
-    agent: Any, peer_rank: int, payload: bytes | bytearray, buffers: Sequence[Any], *, plain: bool
+    agent: Any,
+    peer_rank: int,
+    payload: bytes | bytearray,
+    buffers: Sequence[Any],
+    *,
+    plain: bool,
+    tensors: Any = None,
 ) -> Any:
     """``serde.loads`` for a reply from ``peer_rank`` (``plain``: its header says
-    ``PLAIN``)."""
+    ``PLAIN``; ``tensors``: its ``TENSORS``, if any)."""
+    if tensors is not None:
+        return loads_lean(payload, tensors, buffers)
     if plain:
         return loads(payload, buffers)
     return _loads(Transfer(agent, peer_rank, False), payload, buffers)

@@ -108,19 +108,19 @@ def dump_tensor(tensor: torch.Tensor) -> tuple[TensorMeta, memoryview] | None:
     Written for few calls into torch: each costs a microsecond or more once the caches
     have gone cold between messages, and a small tensor's dump is made of little else.
     """
-    device = tensor.device
-    if device.type != "cpu" or tensor.layout is not torch.strided or tensor.is_quantized:
+    if not tensor.is_cpu or tensor.layout is not torch.strided or tensor.is_quantized:
         return None
     data = _resolved(tensor)
     shape, stride = tuple(data.shape), data.stride()
-    span = _span(shape, stride)
     dtype = data.dtype
-    numel = math.prod(shape)
-    if span > numel and _wasteful(span, numel, dtype.itemsize):  # send its elements only
-        data = data.detach().contiguous()
-        stride = data.stride()
-        span = numel
-    return _meta(tensor, data, stride, "cpu"), byte_view(data, span * dtype.itemsize)
+    span = numel = math.prod(shape)
+    if not data.is_contiguous():  # (a contiguous tensor spans its elements exactly)
+        span = _span(shape, stride)
+        if span > numel and _wasteful(span, numel, dtype.itemsize):  # its elements only
+            data = data.detach().contiguous()
+            stride = data.stride()
+            span = numel
+    return _meta(tensor, dtype, shape, stride, "cpu"), byte_view(data, span * dtype.itemsize)
 
 
 def dump_array(array: np.ndarray[Any, Any]) -> tuple[TensorMeta, memoryview] | None:
@@ -153,11 +153,12 @@ def _resolved(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _meta(tensor: torch.Tensor, data: torch.Tensor, stride: Any, device: str) -> TensorMeta:
-    dtype = data.dtype
+def _meta(
+    tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], stride: Any, device: str
+) -> TensorMeta:
     return (
         _DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch."),
-        tuple(data.shape),
+        shape,
         tuple(stride),
         tensor.requires_grad,
         device,
@@ -181,7 +182,7 @@ def dump_cuda_tensor(
     if not data.is_contiguous():
         data = data.contiguous()
     path, value = cuda.dump_cuda(data, route, staged)
-    return _meta(tensor, data, data.stride(), target), path, value
+    return _meta(tensor, data.dtype, tuple(data.shape), data.stride(), target), path, value
 
 
 def load_tensor(meta: TensorMeta, buffer: Any) -> torch.Tensor:

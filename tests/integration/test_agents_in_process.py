@@ -28,7 +28,7 @@ from asyncrpc.agent import (
     current_agent,
     inbound,
 )
-from asyncrpc.agent.transfer import BY_NAME, PLAIN
+from asyncrpc.agent.transfer import BY_NAME, PLAIN, TENSORS
 from asyncrpc.errors import LocalProtocolError, SerializationError
 from asyncrpc.transport import NETWORK, Link
 from asyncrpc.wire import Kind
@@ -404,29 +404,41 @@ async def test_plain_requests_and_replies_are_marked_plain_and_others_are_not(
     pair: tuple[RpcAgent, RpcAgent], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Only a message no reducer had a part in says PLAIN in its header (its receiver
-    then unpickles it without a Transfer); a tensor's message does not."""
+    then unpickles it without a Transfer): one of plain values, and one whose tensors
+    are plain too (their entries in TENSORS); a tensor that requires grad, or a
+    Parameter, is a reducer's, and its message says neither."""
     a, b = pair
-    marked: list[tuple[str, bool]] = []
+    marked: list[tuple[str, bool, int | None]] = []
     on_request, on_reply = b._inbound.on_request, a._on_reply
 
+    def mark(what: str, frame: Any) -> None:
+        tensors = frame.meta.get(TENSORS)
+        marked.append((what, PLAIN in frame.meta, None if tensors is None else len(tensors)))
+
     def recording_request(link: Link, frame: Any) -> None:
-        marked.append(("request", PLAIN in frame.meta))
+        mark("request", frame)
         on_request(link, frame)
 
     def recording_reply(link: Link, frame: Any) -> None:
-        marked.append(("reply", PLAIN in frame.meta))
+        mark("reply", frame)
         on_reply(link, frame)
 
     monkeypatch.setattr(b._inbound, "on_request", recording_request)
     monkeypatch.setattr(a, "_on_reply", recording_reply)
     assert await a.rpc_async("b", small_result, args=(3,)) == (3, "ok")
-    assert marked == [("request", True), ("reply", True)]
+    assert marked == [("request", True, None), ("reply", True, None)]
     marked.clear()
     assert torch.equal(await a.rpc_async("b", tensor_result, args=(2,)), torch.full((4,), 2.0))
-    assert marked == [("request", True), ("reply", False)]
+    assert marked == [("request", True, None), ("reply", True, 1)]
     marked.clear()
     assert await a.rpc_async("b", torch.numel, args=(torch.ones(3),)) == 3
-    assert marked == [("request", False), ("reply", True)]
+    assert marked == [("request", True, 1), ("reply", True, None)]
+    marked.clear()
+    needs_grad = torch.ones(3, requires_grad=True)
+    assert await a.rpc_async("b", operator.attrgetter("requires_grad"), args=(needs_grad,))
+    parameter = torch.nn.Parameter(torch.ones(2))
+    assert await a.rpc_async("b", type, args=(parameter,)) is torch.nn.Parameter
+    assert marked == [("request", False, None), ("reply", True, None)] * 2
 
 
 async def test_a_function_found_by_name_travels_beside_its_arguments_and_others_inside(
@@ -782,7 +794,7 @@ async def test_a_unix_dial_nobody_answers_falls_back_to_tcp_at_once_and_for_good
         link = b.debug_info()["links"]["a"]
         assert link["transport"] == "tcp"
         assert link["why"] == "unix dial failed: [Errno 111] Connection refused"
-        (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
+        (warning,) = [r for r in caplog.records if "cannot connect" in r.getMessage()]
         assert "dialing worker 'a' on tcp" in warning.getMessage()
 
         b._links["a"].close()  # the next call dials again: on tcp alone

@@ -16,6 +16,7 @@ from asyncrpc.agent.notices import Notices
 from asyncrpc.agent.outgoing import Outgoing
 from asyncrpc.agent.transfer import (
     PLAIN,
+    TENSORS,
     Transfer,
     current_transfer,
     dumps_reply,
@@ -98,19 +99,26 @@ def test_a_request_and_a_reply_carry_their_call_in_the_header() -> None:
     message = request()
     assert (message.kind, message.meta, message.call_id) == (Kind.REQUEST, {"i": 7, "f": "f"}, 7)
     reply = dumps_reply(AGENT, 3, torch.ones(2), call_id=7, function="f")
-    assert (reply.kind, reply.meta, reply.function) == (Kind.RESPONSE, {"i": 7}, "f")
+    entries = [("t", "float32", (2,), (1,))]  # a plain tensor's (serde.lean)
+    meta = {"i": 7, PLAIN: True, TENSORS: entries}
+    assert (reply.kind, reply.meta, reply.function) == (Kind.RESPONSE, meta, "f")
     assert torch.equal(
-        loads_reply(AGENT, 3, reply.payload, reply.buffers, plain=False), torch.ones(2)
+        loads_reply(AGENT, 3, reply.payload, reply.buffers, plain=True, tensors=entries),
+        torch.ones(2),
     )
     assert reply.size == len(reply.payload) + 8
 
 
-def test_a_plain_value_given_here_is_sent_unmarked() -> None:
-    """Senders write plain values themselves (``dumps_plain``, marked PLAIN); one given
-    here all the same goes the full way, only slower."""
+def test_a_value_no_reducer_has_a_part_in_is_marked_plain_here_too() -> None:
+    """Senders write small plain values themselves (``dumps_plain``, marked PLAIN); one
+    given here, or a larger one, is pickled without reducers (serde.lean) and marked
+    PLAIN all the same; one a reducer had a part in is not."""
     reply = dumps_reply(AGENT, 3, {"loss": 0.5, "step": 3}, call_id=7, function="f")
-    assert PLAIN not in reply.meta
-    assert loads_reply(AGENT, 3, reply.payload, reply.buffers, plain=False) == {
+    assert reply.meta == {"i": 7, PLAIN: True}
+    log.clear()
+    assert PLAIN not in dumps_reply(AGENT, 3, [Registers("x")], call_id=8, function="f").meta
+    assert log == ["+x"]  # (its reducer ran once, in the message's transfer)
+    assert loads_reply(AGENT, 3, reply.payload, reply.buffers, plain=True) == {
         "loss": 0.5,
         "step": 3,
     }

@@ -1,0 +1,171 @@
+"""serde.lean: values whose only parts beyond pickle's own are CPU tensors and arrays."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from asyncrpc.errors import SerializationError
+from asyncrpc.serde import allocate_tensor_storage, dumps, loads, pickler, register_reducer
+from asyncrpc.serde.lean import dumps_lean, loads_lean
+
+
+def receive(buffers: list[memoryview]) -> list[Any]:
+    """What the transport does: fresh storage per buffer, the bytes copied in."""
+    received = []
+    for buffer in buffers:
+        storage, view = allocate_tensor_storage(len(buffer))
+        view[:] = buffer
+        received.append(storage)
+    return received
+
+
+def round_trip(value: Any) -> Any:
+    """Through dumps_lean, a header (msgpack: entries arrive as lists) and loads_lean."""
+    dumped = dumps_lean(value)
+    assert dumped is not None, f"{value!r} was not lean"
+    payload, entries, buffers = dumped
+    header = msgpack.unpackb(msgpack.packb({"t": entries}))
+    return loads_lean(payload, header["t"], receive(buffers))
+
+
+def assert_same_tensor(got: Any, want: torch.Tensor) -> None:
+    assert type(got) is torch.Tensor
+    assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride())
+    assert torch.equal(got, want) and not got.requires_grad
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        lambda: torch.arange(12, dtype=torch.float64).reshape(3, 4).t(),  # strides kept
+        lambda: torch.arange(20, dtype=torch.int16)[2:17:3],  # a view with gaps
+        lambda: torch.ones(3, dtype=torch.bfloat16),  # numpy has no bfloat16
+        lambda: torch.tensor([True, False, True]),
+        lambda: torch.zeros((2, 0, 3)),  # no elements
+        lambda: torch.tensor(7.5),  # no dimensions
+        lambda: torch.arange(6.0).to(torch.complex64).conj(),  # its lazy bit applied
+    ],
+    ids=["matrix", "transposed", "gaps", "bfloat16", "bool", "empty", "scalar", "conj"],
+)
+def test_tensors_alone_and_inside_values_arrive_equal(make: Any) -> None:
+    tensor = make()
+    want = tensor.resolve_conj()
+    assert_same_tensor(round_trip(tensor), want)
+    args, kwargs = round_trip(((tensor, 3, "x"), {"k": [tensor.clone(), None]}))
+    assert_same_tensor(args[0], want) and assert_same_tensor(kwargs["k"][0], want)
+    assert args[1:] == (3, "x") and kwargs["k"][1] is None
+
+
+def test_arrays_arrive_as_arrays_over_the_received_memory() -> None:
+    array = np.arange(12, dtype=np.int32).reshape(3, 4)[:, ::2]
+    got = round_trip(array)
+    assert type(got) is np.ndarray and got.dtype == array.dtype
+    assert np.array_equal(got, array) and got.strides == array.strides
+    got[0, 0] = 99  # writable, and its own
+    assert array[0, 0] == 0
+
+
+def test_a_tensor_met_twice_arrives_as_one_object_with_one_buffer() -> None:
+    tensor = torch.ones(4)
+    dumped = dumps_lean((tensor, [tensor], {"again": tensor}))
+    assert dumped is not None and len(dumped[1]) == len(dumped[2]) == 1
+    first, (second,), third = round_trip((tensor, [tensor], {"again": tensor}))
+    assert first is second is third["again"]
+
+
+def test_a_tensor_alone_skips_the_pickler_at_both_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    tensor = torch.arange(5.0)
+    dumped = dumps_lean(tensor)
+    assert dumped is not None
+    payload, entries, buffers = dumped
+    assert (len(entries), len(buffers)) == (1, 1)
+    monkeypatch.setattr(pickle, "Unpickler", None)  # not needed to rebuild it
+    assert_same_tensor(loads_lean(payload, [list(entries[0])], receive(buffers)), tensor)
+
+
+def test_bytes_leave_zero_copy_as_views_of_the_tensor() -> None:
+    tensor = torch.arange(1000, dtype=torch.int64)
+    dumped = dumps_lean(((tensor,), {}))
+    assert dumped is not None
+    (view,) = dumped[2]
+    assert isinstance(view, memoryview) and view.nbytes == tensor.nbytes
+    tensor[0] = 42
+    assert int(np.frombuffer(view, np.int64)[0]) == 42
+
+
+class Registered:
+    pass
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's, on quantized tensors
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.ones(2, requires_grad=True),  # distributed autograd records these
+        lambda: torch.nn.Parameter(torch.ones(2)),
+        lambda: torch.ones(4).to_sparse(),
+        lambda: torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8),
+        lambda: torch.empty(2, device="meta"),
+        lambda: np.arange(4)[::-1],  # a negative stride: numpy's own reduction
+        Registered,
+        lambda: lambda: 1,  # pickle refuses it: dumps says why
+    ],
+    ids=["requires_grad", "parameter", "sparse", "quantized", "meta", "reversed", "reg", "lambda"],
+)
+def test_anything_a_reducer_must_see_is_left_to_dumps(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pickler, "_REDUCERS", dict(pickler._REDUCERS))
+    monkeypatch.setattr(pickler, "_PLAIN_TYPES", set(pickler._PLAIN_TYPES))
+    monkeypatch.setattr("asyncrpc.serde.lean._REDUCERS", pickler._REDUCERS)
+    register_reducer(Registered, lambda obj: (Registered, ()))
+    value = make()
+    assert dumps_lean(value) is None
+    assert dumps_lean(((torch.ones(1), value), {})) is None  # however deep
+    if not callable(value) or isinstance(value, torch.Tensor):
+        payload, buffers = dumps(value)  # which takes it
+        assert type(loads(payload, receive(buffers))) is type(value)
+
+
+def test_values_of_pickle_alone_are_lean_without_entries() -> None:
+    value = ([float(i) for i in range(50)], {"nested": {"deep": (1, 2)}})
+    dumped = dumps_lean(value)
+    assert dumped is not None and dumped[1] == [] and dumped[2] == []
+    assert loads_lean(dumped[0], [], []) == value
+
+
+@pytest.mark.parametrize(
+    ("entries", "buffers"),
+    [
+        ("not a list", [b"1234"]),
+        ([["t", "float32", [1], [1]]], []),  # fewer buffers than entries
+        ([["x", "float32", [1], [1]]], [bytearray(4)]),  # an unknown kind
+        ([["t", "float99", [1], [1]]], [bytearray(4)]),  # an unknown dtype
+        ([["t", "float32", [1000], [1]]], [bytearray(4)]),  # more than its buffer holds
+        ([["t", "float32"]], [bytearray(4)]),  # a short entry
+    ],
+    ids=["not-a-list", "count", "kind", "dtype", "overrun", "short"],
+)
+def test_malformed_entries_are_refused_with_a_serialization_error(
+    entries: Any, buffers: list[Any]
+) -> None:
+    payload = dumps_lean(torch.ones(1))
+    assert payload is not None
+    with pytest.raises(SerializationError):
+        loads_lean(payload[0], entries, buffers)
+
+
+def test_a_garbage_payload_is_refused_with_a_serialization_error() -> None:
+    with pytest.raises(SerializationError):
+        loads_lean(b"\x80\x05garbage", [], [])
+    with pytest.raises(SerializationError):  # a persistent id with no tensor behind it
+        loads_lean(
+            pickle.PROTO + b"\x05" + pickle.BININT1 + b"\x03" + pickle.BINPERSID + b".", [], []
+        )
