@@ -138,10 +138,31 @@ def dumps_lean(value: Any) -> tuple[bytes, list[Entry], list[memoryview]] | None
         except _GiveUpError:
             return None
         return _FIRST, [entry], [view]
+    if _for_a_reducer(value, 0):
+        return None
     reusable: _Reusable | None = getattr(_local, "lean", None)
     if reusable is None:
         reusable = _local.lean = _Reusable()
     return reusable.dump(value)
+
+
+def _for_a_reducer(value: Any, depth: int) -> bool:
+    """Whether the top levels of ``value`` show a part a reducer must see (an RRef's
+    method call, a tensor that requires grad), which would make the lean pickler give up
+    after work done in vain: a cheap look first, as most such values show it there."""
+    kind = type(value)
+    if kind is torch.Tensor:
+        return bool(value.requires_grad)
+    if kind in _REDUCERS:
+        return kind is not np.ndarray
+    if depth < _LOOK_DEPTH and (kind is tuple or kind is list):
+        for item in value:  # (a loop costs less than any()'s generator)
+            if _for_a_reducer(item, depth + 1):
+                return True
+    return False
+
+
+_LOOK_DEPTH: Final = 2
 
 
 def loads_lean(payload: bytes | bytearray, entries: Any, buffers: Any) -> Any:
