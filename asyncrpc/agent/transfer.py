@@ -34,7 +34,10 @@ A message no reducer has a part in (``serde.dumps_plain``: a call of scalars, a
 in its header, and its receiver unpickles it without a :class:`Transfer` (nothing in
 it asks for one; a reducer that asked would find none, and an RRef's then raises).
 Most small calls and their replies are plain, and skip ~1 µs a message here (the
-Transfer and its context variable).  ``dumps_request`` and ``dumps_reply`` are for
+Transfer and its context variable).  So are those whose only parts beyond pickle's own
+are plain CPU tensors and arrays: ``_dumps`` tries ``serde.lean`` first, which puts
+their entries in the header under ``TENSORS``, and their receiver rebuilds them with
+``loads_lean``.  ``dumps_request`` and ``dumps_reply`` are for
 the others: given a plain value they still work, only without the mark.
 
 Context variables registered with :func:`propagate` travel with every request

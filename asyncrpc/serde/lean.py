@@ -17,13 +17,15 @@ ever (the same zero-copy view, so large ones still take shared memory).  Everyth
 else pickles as pickle pickles it.  The receiver builds the tensors from the entries
 and buffers first, and its unpickler's ``persistent_load`` is the list's
 ``__getitem__``.  A tensor met twice is one entry, so it arrives as one object, as
-pickle's memo would have it.
+pickle's memo would have it.  A value that is one tensor or array, the commonest reply,
+skips the pickler at both ends: its payload is the constant ``_FIRST``.
 
 :func:`dumps_lean` gives up (None) on anything a reducer must see: a registered type
 (an RRef, a Parameter), a tensor of another kind (CUDA, sparse, quantized, a subclass),
 and a tensor that requires grad (distributed autograd records those as they are
 pickled; a plain tensor's ``requires_grad`` travels in ``dumps``' meta).  The message
-then takes ``dumps``.
+then takes ``dumps``.  A look at the value's top two levels comes first, as most such
+values show it there, so the pickler seldom does work it then throws away.
 """
 
 from __future__ import annotations
