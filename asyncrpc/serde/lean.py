@@ -109,14 +109,18 @@ _KINDS: Final = {torch.Tensor: "t", np.ndarray: "a"}
 
 
 class _Reusable:
-    """One lean pickler and stream per thread, reset after each dump."""
+    """One lean pickler and stream per thread, reset after each dump.  ``busy`` guards
+    against re-entry (an object whose ``__reduce__`` serialises: a pickler dumping again
+    while it dumps crashes the interpreter), as ``serde.pickler``'s does."""
 
     def __init__(self) -> None:
         self.stream = io.BytesIO()
         self.pickler = _LeanPickler(self.stream)
+        self.busy = False
 
     def dump(self, value: Any) -> tuple[bytes, list[Entry], list[memoryview]] | None:
         pickler = self.pickler
+        self.busy = True
         try:
             pickler.dump(value)
             return self.stream.getvalue(), pickler.entries, pickler.buffers
@@ -126,6 +130,7 @@ class _Reusable:
             pickler.reset()
             self.stream.seek(0)
             self.stream.truncate()
+            self.busy = False
 
 
 def dumps_lean(value: Any) -> tuple[bytes, list[Entry], list[memoryview]] | None:
@@ -145,6 +150,8 @@ def dumps_lean(value: Any) -> tuple[bytes, list[Entry], list[memoryview]] | None
     reusable: _Reusable | None = getattr(_local, "lean", None)
     if reusable is None:
         reusable = _local.lean = _Reusable()
+    if reusable.busy:
+        reusable = _Reusable()
     return reusable.dump(value)
 
 

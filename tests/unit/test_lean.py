@@ -100,6 +100,22 @@ def test_bytes_leave_zero_copy_as_views_of_the_tensor() -> None:
     assert int(np.frombuffer(view, np.int64)[0]) == 42
 
 
+class Serialises:
+    """Pickles something else while it is pickled (as an object holding a cache of its
+    own serialised form may)."""
+
+    def __reduce__(self) -> Any:
+        assert dumps_lean(((torch.ones(2), 5), {})) is not None
+        return int, (3,)
+
+
+def test_a_value_that_serialises_while_it_is_pickled_is_pickled_too() -> None:
+    tensor = torch.arange(4.0)
+    (got, three, text), kwargs = round_trip(((tensor, Serialises(), "x"), {}))
+    assert_same_tensor(got, tensor)
+    assert (three, text, kwargs) == (3, "x", {})
+
+
 class Registered:
     pass
 
