@@ -361,14 +361,21 @@ def _resolve(name: str) -> Any:
 
 def _hostile_inputs(command: str) -> dict[str, bytes]:
     """What an unauthenticated peer might send; each must get its connection dropped."""
-    from asyncrpc.wire import Kind, encode_frame
+    from asyncrpc.wire import PROTOCOL_VERSION, Kind, encode_frame
 
     def frame(kind: Kind, meta: dict[str, Any], payload: bytes = b"") -> bytes:
         return b"".join(bytes(p) for p in encode_frame(kind, meta, payload))
 
     call = pickle.dumps((os.system, (RunOnLoad(command),), {}))
     request = frame(Kind.REQUEST, {"i": 1, "f": "os.system"}, call)
-    hello = {"v": 1, "name": "x", "rank": 7, "pid": 1, "host": "h", "nonce": b"\0" * 32}
+    hello = {
+        "v": PROTOCOL_VERSION,
+        "name": "x",
+        "rank": 7,
+        "pid": 1,
+        "host": "h",
+        "nonce": b"\0" * 32,
+    }
     return {
         "garbage": b"\x00\xffnot a frame at all" * 50,
         "oversized_header": struct.pack("<HHI", 0xA5C1, 0, 1 << 30),

@@ -8,6 +8,12 @@ A message leaves at once, unless the one before it on the link came less than
 waits in the outbox, with the rest of the burst, for the end of the turn (or
 until ``max_parts`` parts wait), so that the burst leaves in one ``writelines``.
 A message that leaves takes whatever waits along, first, so order is kept.
+A small message without buffers that would wait comes as a BATCH *entry*
+(``send_entry``, after ``holds_next`` said it would wait): consecutive entries
+leave as one BATCH frame, in their place among the burst's other messages, so
+the burst's small messages cost one frame's encoding and one parse at the
+other end (32 pipelined no-ops: see docs/architecture.md, "Bursts of small
+messages travel as one frame").
 While writing is paused (the transport's buffer is above its high-water mark,
 or there is no transport yet) everything waits; ``resume`` hands it all back.
 Its owner tells it when a loop turn that had a message ends (``end_turn``):
@@ -26,6 +32,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from asyncrpc.wire.codec import encode_batch
+
 Parts = list[bytes | memoryview]
 
 COALESCE_WITHIN = 50e-6
@@ -34,13 +42,29 @@ the end of the turn with its burst (docs/architecture.md, "Writing without waiti
 turn", says why this long and no longer)."""
 FLUSH_PARTS = 64
 """Parts: a burst that has this many waiting leaves without waiting for the turn's end."""
+MAX_BATCH_BYTES = 64 * 1024
+"""Bytes of entries in one BATCH frame (at most; less if the peer accepts smaller frames:
+``max_batch_bytes``); the next entry opens another batch."""
+_ARRAY_HEADER = 5
+"""Bytes: the most msgpack takes to say how many entries a batch holds."""
 
 
 class WriteCoalescer:
     """When parts leave; see the module docstring.  Every method returns the parts to
     write now, in order (an empty list: nothing to write)."""
 
-    __slots__ = ("_last_message", "_outbox", "clock", "in_turn", "max_parts", "paused", "within")
+    __slots__ = (
+        "_batch_bytes",
+        "_entries",
+        "_last_message",
+        "_outbox",
+        "clock",
+        "in_turn",
+        "max_batch_bytes",
+        "max_parts",
+        "paused",
+        "within",
+    )
 
     def __init__(
         self,
@@ -56,12 +80,36 @@ class WriteCoalescer:
         self.paused = paused
         self.in_turn = False  # a message came this loop turn; ``end_turn`` is due
         self._outbox: Parts = []
+        self._entries: list[bytes] = []  # the open batch: after everything in the outbox
+        self._batch_bytes = _ARRAY_HEADER
+        self.max_batch_bytes = MAX_BATCH_BYTES
         self._last_message = 0.0
 
     @property
     def waiting(self) -> int:
-        """Parts held back."""
-        return len(self._outbox)
+        """Parts and batch entries held back."""
+        return len(self._outbox) + len(self._entries)
+
+    def holds_next(self) -> bool:
+        """Whether a message sent now would wait for its burst (or for ``resume``): then
+        a small one may come as an entry (``send_entry``)."""
+        return self.paused or (self.in_turn and self.clock() - self._last_message < self.within)
+
+    def fits_batch(self, entry: bytes) -> bool:
+        """Whether a BATCH frame can carry ``entry`` (alone, at least)."""
+        return _ARRAY_HEADER + len(entry) <= self.max_batch_bytes
+
+    def send_entry(self, entry: bytes) -> Parts:
+        """A small message, encoded as a BATCH entry, that ``holds_next`` said would wait
+        and that ``fits_batch``: it joins the open batch, or opens the next one if that
+        one is full (what to write now: all that waits, once ``max_parts`` do)."""
+        self._last_message = self.clock()
+        self.in_turn = True
+        if self._batch_bytes + len(entry) > self.max_batch_bytes:
+            self._close_batch()
+        self._entries.append(entry)
+        self._batch_bytes += len(entry)
+        return self._take() if self.waiting >= self.max_parts else []
 
     def send(self, parts: Parts) -> Parts:
         """A message to write: now (with what waits before it), or later with its burst."""
@@ -70,10 +118,11 @@ class WriteCoalescer:
         self._last_message = now
         self.in_turn = True
         if self.paused or in_burst:
+            self._close_batch()
             self._outbox.extend(parts)
             return self._take() if len(self._outbox) >= self.max_parts else []
-        if self._outbox:  # what waits goes first
-            parts, self._outbox = [*self._outbox, *parts], []
+        if self._outbox or self._entries:  # what waits goes first
+            parts = [*self.drain(), *parts]
         return parts
 
     def end_turn(self) -> Parts:
@@ -91,8 +140,15 @@ class WriteCoalescer:
 
     def drain(self) -> Parts:
         """Everything waiting, paused or not (the transport buffers it: we are closing)."""
+        self._close_batch()
         parts, self._outbox = self._outbox, []
         return parts
+
+    def _close_batch(self) -> None:
+        """The open batch's entries, as one BATCH frame, join the outbox."""
+        if self._entries:
+            self._outbox.append(encode_batch(self._entries))
+            self._entries, self._batch_bytes = [], _ARRAY_HEADER
 
     def _take(self) -> Parts:
         return [] if self.paused else self.drain()

@@ -56,8 +56,10 @@ STRIPES); the receiver holds a message, and every later one, until its striped b
 are in (``_held``).  A side connection lost once in use loses the link.
 
 Receiving: complete frames are handed up at most ``FRAMES_PER_TURN`` per loop
-turn; while frames wait for a later turn (catching up), or while the owner has
-paused the link (``pause_reading``), the transport reads no more
+turn, a BATCH frame's messages (a burst's small ones, :mod:`.flow`) one by one as
+if each had come in a frame of its own (``_unbatched``); while frames wait for a
+later turn (catching up), or while the owner has paused the link
+(``pause_reading``), the transport reads no more
 (:class:`~asyncrpc.transport.flow.ReadGate`).
 
 Segment bookkeeping travels both ways: RELEASE tells the peer we no longer map
@@ -99,7 +101,7 @@ from asyncrpc.errors import (
     ProtocolError,
     RemoteProtocolError,
 )
-from asyncrpc.transport.flow import Parts, ReadGate, WriteCoalescer
+from asyncrpc.transport.flow import MAX_BATCH_BYTES, Parts, ReadGate, WriteCoalescer
 from asyncrpc.transport.liveness import DEFAULT_SILENT_PEER_TIMEOUT, detect_silence
 from asyncrpc.transport.locality import MEMORY, Host
 from asyncrpc.transport.shm import (
@@ -120,6 +122,7 @@ from asyncrpc.transport.stripes import (
     is_striped,
 )
 from asyncrpc.wire import (
+    BATCHED_PAYLOAD_MAX,
     HANDSHAKE_LIMITS,
     NEED_DATA,
     Allocator,
@@ -131,7 +134,9 @@ from asyncrpc.wire import (
     Kind,
     Limits,
     Role,
+    encode_entry,
     encode_frame,
+    split_batch,
 )
 
 log = logging.getLogger("asyncrpc.transport")
@@ -140,6 +145,7 @@ FRAMES_PER_TURN = 32
 _RELEASE: Final = int(Kind.RELEASE)  # (the kinds a link handles itself, as ints: every
 _UNMAP: Final = int(Kind.UNMAP)  # frame is compared with them)
 _STRIPES: Final = int(Kind.STRIPES)
+_BATCH: Final = int(Kind.BATCH)
 INLINE_COPY_MAX = 4 << 20
 """Bytes.  A copy this small into a warm segment (pages faulted in by an earlier copy)
 runs on the loop: it costs other work no more than a trip to a copier thread and back
@@ -208,6 +214,7 @@ class Link(asyncio.BufferedProtocol):
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._decoder = FrameDecoder(HANDSHAKE_LIMITS, allocate=allocate)
+        self._unbatched: deque[Frame] = deque()  # a BATCH frame's messages not handed up yet
         self._allocate = allocate
         self._stripe_listener = stripes
         self._stripes: Stripes | None = None  # side connections, once both ends offered them
@@ -307,7 +314,10 @@ class Link(asyncio.BufferedProtocol):
             for _ in range(FRAMES_PER_TURN):
                 if self.closed or self._reads.paused:
                     return
-                frame = self._decoder.next_event()
+                if self._unbatched:
+                    frame: Frame | object = self._unbatched.popleft()
+                else:
+                    frame = self._decoder.next_event()
                 if frame is NEED_DATA:
                     self._update_reading(self._reads.catch_up())
                     return
@@ -430,8 +440,33 @@ class Link(asyncio.BufferedProtocol):
         self._check_size(kind, payload, buffers, function)
         if buffers and self._lends_segments() and _has_large(buffers) and not self.closed:
             self._send_through_segments(kind, meta, payload, buffers)
+        elif not buffers and len(payload) <= BATCHED_PAYLOAD_MAX and self._joins_burst():
+            self._send_entry(encode_entry(kind, meta, payload), kind, meta, payload)
         else:
             self.write(self._encode_through_socket(kind, meta, payload, buffers))
+
+    def _send_entry(
+        self, entry: bytes, kind: int, meta: dict[str, Any], payload: bytes | memoryview
+    ) -> None:
+        """A small message that waits with its burst: an entry of the burst's BATCH frame,
+        or a frame of its own if too large for one (a long meta, a peer's small frames)."""
+        if not self._writes.fits_batch(entry):
+            self.write(self._encode_through_socket(kind, meta, payload, ()))
+            return
+        first_in_turn = not self._writes.in_turn
+        self._after_write(first_in_turn, self._writes.send_entry(entry))
+
+    def _joins_burst(self) -> bool:
+        """Whether a small message sent now waits with a burst in the coalescer, and may
+        travel as an entry of its BATCH frame: nothing queued for segments before it,
+        no segment keys to lead it (``_write_now`` puts those first), not closed."""
+        return (
+            self._up
+            and not self._queue
+            and not self._segment_keys
+            and not self.closed
+            and self._writes.holds_next()
+        )
 
     def _lends_segments(self) -> bool:
         """Large buffers go through segments: the peer proved it maps ours, and this
@@ -592,7 +627,12 @@ class Link(asyncio.BufferedProtocol):
             if not parts:
                 return
         first_in_turn = not self._writes.in_turn
-        self._write_parts(self._writes.send(parts))
+        self._after_write(first_in_turn, self._writes.send(parts))
+
+    def _after_write(self, first_in_turn: bool, parts: Parts) -> None:
+        """Write what the coalescer let go for the message it was just handed; the turn's
+        end is due if that was the turn's first message."""
+        self._write_parts(parts)
         # What is left runs while the message travels.
         if first_in_turn:
             self._loop.call_soon(self._end_turn)
@@ -675,6 +715,8 @@ class Link(asyncio.BufferedProtocol):
             self._mapper.forget(_keys(frame))
         elif kind == _STRIPES:
             self._on_stripes_decided(frame.meta)
+        elif kind == _BATCH:  # a burst's small messages: handed up next, one frame each
+            self._unbatched.extend(split_batch(frame.payload, self._decoder.limits.kinds))
         else:
             waits = self._resolve_external(frame) if frame.buffers else None
             if waits or self._held:
@@ -698,6 +740,7 @@ class Link(asyncio.BufferedProtocol):
         theirs = self.handshake.peer_max_frame_size
         assert theirs is not None, "announced in the handshake"
         self.max_send_size = min(self.max_frame_size, theirs)
+        self._writes.max_batch_bytes = min(MAX_BATCH_BYTES, self.max_send_size)
         self._decoder.limits = Limits.established(self.max_frame_size)
         self._share_memory_if_proven()
         self._mapper = SegmentMapper(self.peer.pid, self._max_mapped_bytes)

@@ -1,6 +1,7 @@
 """Sans-IO wire protocol: frame codec, message kinds, handshake.  No asyncio, no sockets."""
 
 from asyncrpc.wire.codec import (
+    BATCHED_PAYLOAD_MAX,
     DEFAULT_MAX_FRAME_SIZE,
     HANDSHAKE_LIMITS,
     MAX_HANDSHAKE_FRAME,
@@ -10,12 +11,16 @@ from asyncrpc.wire.codec import (
     Frame,
     FrameDecoder,
     Limits,
+    encode_batch,
+    encode_entry,
     encode_frame,
+    split_batch,
 )
 from asyncrpc.wire.handshake import Handshake, Identity, Role
 from asyncrpc.wire.messages import HANDSHAKE_KINDS, PROTOCOL_VERSION, Kind
 
 __all__ = (
+    "BATCHED_PAYLOAD_MAX",
     "DEFAULT_MAX_FRAME_SIZE",
     "HANDSHAKE_KINDS",
     "HANDSHAKE_LIMITS",
@@ -31,5 +36,8 @@ __all__ = (
     "Kind",
     "Limits",
     "Role",
+    "encode_batch",
+    "encode_entry",
     "encode_frame",
+    "split_batch",
 )

@@ -178,6 +178,54 @@ def encode_frame(
     return [head, payload, *inline]
 
 
+BATCH: Final = int(Kind.BATCH)
+BATCHED_PAYLOAD_MAX: Final = 1024
+"""Bytes: a message without buffers whose payload is no larger may travel as an entry of a
+BATCH frame (a burst's small messages; see :func:`encode_batch`)."""
+
+
+def encode_entry(kind: int, meta: dict[str, Any], payload: bytes | memoryview = b"") -> bytes:
+    """One small message (no buffers) as an entry of a BATCH frame: ``[kind, meta,
+    payload]`` in msgpack.  Raises what msgpack raises for a meta it cannot pack."""
+    entry: bytes = _packer().pack([kind, meta, payload])
+    return entry
+
+
+def encode_batch(entries: Sequence[bytes]) -> bytes:
+    """One BATCH frame carrying ``entries`` (from :func:`encode_entry`), in order: its
+    payload is a msgpack array whose items are the entries as they are, so nothing is
+    packed twice.  The receiver hands each entry up as a frame of its own
+    (:func:`split_batch`): a burst of small messages costs one frame's prelude, header
+    and parse."""
+    packer = _packer()
+    payload = b"".join([packer.pack_array_header(len(entries)), *entries])
+    header: bytes = packer.pack([BATCH, {}, len(payload), []])
+    return PRELUDE.pack(MAGIC, 0, len(header)) + header + payload
+
+
+def split_batch(payload: bytes | bytearray, kinds: frozenset[int]) -> list[Frame]:
+    """The frames a BATCH frame's ``payload`` carries, in order; ``RemoteProtocolError``
+    unless it is a non-empty array of ``[kind, meta, payload]`` entries whose kinds are
+    among ``kinds`` (what the decoder accepts now), none of them BATCH."""
+    try:
+        entries = msgpack.unpackb(payload, raw=False, use_list=True)
+    except Exception as exc:
+        raise RemoteProtocolError(f"undecodable BATCH frame: {exc}") from exc
+    if type(entries) is not list or not entries:
+        raise RemoteProtocolError("BATCH frame is not a non-empty array of entries")
+    frames = []
+    for entry in entries:
+        if type(entry) is not list or len(entry) != 3:
+            raise RemoteProtocolError("BATCH entry is not a 3-item array")
+        kind, meta, body = entry
+        if type(kind) is not int or kind not in kinds or kind == BATCH:
+            raise RemoteProtocolError(f"message kind {kind!r} not allowed in a BATCH frame")
+        if type(meta) is not dict or type(body) is not bytes:
+            raise RemoteProtocolError("malformed BATCH entry fields")
+        frames.append(Frame(kind, meta, body, []))
+    return frames
+
+
 _local = threading.local()
 
 

@@ -26,6 +26,9 @@ Established::
     STRIPES    {ok: true} | {why}  the dialer's word on the link's side connections: all
                up (large buffers may cross them both ways), or not (they use the link's
                stream; see asyncrpc.transport.stripes)
+    BATCH      {}           payload = msgpack array of [kind, meta, payload] entries: small
+               messages without buffers of one burst, in order, each as if it came in a
+               frame of its own (asyncrpc.wire.codec.encode_batch; never nested)
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Final
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
+"""2: BATCH frames."""
 
 
 class Kind(IntEnum):
@@ -52,6 +56,7 @@ class Kind(IntEnum):
     NOTICE = 16
     UNMAP = 17
     STRIPES = 18
+    BATCH = 19
 
 
 REQUEST: Final = int(Kind.REQUEST)

@@ -857,3 +857,81 @@ def test_each_thread_encodes_with_a_packer_of_its_own() -> None:
 
 def test_need_data_says_what_it_is() -> None:
     assert repr(NEED_DATA) == "NEED_DATA"
+
+
+# -- BATCH frames: a burst's small messages in one frame --------------------------------
+
+
+def decoded_one(data: bytes) -> Frame:
+    decoder = FrameDecoder(Limits.established(1 << 20))
+    decoder.receive_data(data)
+    frame = decoder.next_event()
+    assert isinstance(frame, Frame) and decoder.next_event() is NEED_DATA
+    return frame
+
+
+def test_a_batch_frame_carries_its_entries_in_order_each_as_its_own_frame() -> None:
+    sent = [
+        (Kind.REQUEST, {"i": 1, "f": "noop", "p": True}, pattern(37, 1)),
+        (Kind.RESPONSE, {"i": 7}, memoryview(pattern(1024, 2))),
+        (Kind.NOTICE, {"n": [["k", 1, "two"]]}, b""),
+    ]
+    frame = decoded_one(codec.encode_batch([codec.encode_entry(*each) for each in sent]))
+    assert frame.kind == Kind.BATCH and frame.meta == {} and frame.buffers == []
+    got = codec.split_batch(frame.payload, ESTABLISHED_KINDS)
+    assert [(f.kind, f.meta, f.payload, f.buffers) for f in got] == [
+        (kind, meta, bytes(payload), []) for kind, meta, payload in sent
+    ]
+    assert all(type(f.payload) is bytes for f in got)
+
+
+def test_a_batch_is_packed_once_its_entries_are_taken_as_they_are() -> None:
+    entries = [codec.encode_entry(Kind.RESPONSE, {"i": i}, b"x") for i in range(3)]
+    data = codec.encode_batch(entries)
+    assert data.endswith(b"".join(entries))
+    assert len(data) < sum(
+        len(b"".join(encode_frame(Kind.RESPONSE, {"i": 0}, b"x"))) for _ in entries
+    )
+
+
+def test_an_entry_whose_meta_msgpack_cannot_pack_raises_when_it_is_encoded() -> None:
+    with pytest.raises(TypeError):
+        codec.encode_entry(Kind.REQUEST, {"c": {"x": object()}}, b"")
+
+
+def entries_payload(*entries: Any) -> bytes:
+    return bytes(msgpack.packb(list(entries), use_bin_type=True))
+
+
+BAD_BATCHES = {
+    "garbage": (b"\xc1\xc1", "undecodable BATCH frame"),
+    "truncated": (entries_payload([int(Kind.RESPONSE), {"i": 1}, b"x"])[:-1], "undecodable"),
+    "not an array": (entries_payload()[:0] + msgpack.packb({"a": 1}), "not a non-empty array"),
+    "empty": (entries_payload(), "not a non-empty array"),
+    "an entry of two items": (entries_payload([int(Kind.RESPONSE), {}]), "not a 3-item array"),
+    "an entry that is no array": (entries_payload(5), "not a 3-item array"),
+    "a batch in a batch": (
+        entries_payload([int(Kind.BATCH), {}, entries_payload([int(Kind.NOTICE), {}, b""])]),
+        "kind 19 not allowed",
+    ),
+    "a handshake kind": (entries_payload([int(Kind.HELLO), {}, b""]), "kind 1 not allowed"),
+    "an unknown kind": (entries_payload([99, {}, b""]), "kind 99 not allowed"),
+    "a kind that is no int": (entries_payload(["REQUEST", {}, b""]), "'REQUEST' not allowed"),
+    "a meta that is no map": (entries_payload([int(Kind.NOTICE), [], b""]), "malformed BATCH"),
+    "a payload that is text": (entries_payload([int(Kind.NOTICE), {}, "x"]), "malformed BATCH"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_BATCHES))
+def test_a_malformed_batch_is_a_protocol_error(bad: str) -> None:
+    payload, match = BAD_BATCHES[bad]
+    with pytest.raises(RemoteProtocolError, match=match):
+        codec.split_batch(payload, ESTABLISHED_KINDS)
+
+
+def test_a_batch_frame_is_not_allowed_before_the_handshake() -> None:
+    data = codec.encode_batch([codec.encode_entry(Kind.NOTICE, {}, b"")])
+    decoder = FrameDecoder(HANDSHAKE_LIMITS)
+    decoder.receive_data(data[: PRELUDE.size])
+    with pytest.raises(RemoteProtocolError, match="BATCH frame not allowed before the handshake"):
+        decoder.receive_data(data[PRELUDE.size :])

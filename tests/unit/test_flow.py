@@ -7,6 +7,14 @@ import itertools
 import pytest
 
 from asyncrpc.transport.flow import COALESCE_WITHIN, FLUSH_PARTS, ReadGate, WriteCoalescer
+from asyncrpc.wire.codec import (
+    NEED_DATA,
+    FrameDecoder,
+    Limits,
+    encode_entry,
+    split_batch,
+)
+from asyncrpc.wire.messages import ESTABLISHED_KINDS, Kind
 
 SOON = COALESCE_WITHIN / 2  # within a burst
 LATER = COALESCE_WITHIN * 2  # after a pause in the same turn
@@ -160,6 +168,138 @@ def test_any_sequence_of_events_keeps_every_part_once_and_in_order() -> None:
             written += out
         written += writes.resume() + writes.end_turn()
         assert written == sent, sequence
+
+
+# -- small messages as the entries of one BATCH frame ----------------------------------
+
+
+def entry(text: bytes) -> bytes:
+    return encode_entry(Kind.NOTICE, {}, text)
+
+
+def unbatched(parts: list[bytes | memoryview]) -> list[bytes]:
+    """The parts written, each BATCH frame among them replaced by its entries' payloads."""
+    out: list[bytes] = []
+    for part in parts:
+        if bytes(part[:2]) != b"\xc1\xa5":  # not a frame's prelude: a test's own part
+            out.append(bytes(part))
+            continue
+        decoder = FrameDecoder(Limits.established(1 << 20))
+        decoder.receive_data(part)
+        frame = decoder.next_event()
+        assert frame is not NEED_DATA and decoder.next_event() is NEED_DATA
+        out += [each.payload for each in split_batch(frame.payload, ESTABLISHED_KINDS)]  # type: ignore[union-attr]
+    return out
+
+
+def test_only_a_message_that_would_wait_is_held_as_an_entry(
+    writes: WriteCoalescer, clock: Clock
+) -> None:
+    assert not writes.holds_next()  # the turn's first leaves at once
+    writes.send([b"a"])
+    clock.advance(SOON)
+    assert writes.holds_next()
+    clock.advance(LATER)
+    assert not writes.holds_next()  # a while since the last: leaves at once
+    writes.pause()
+    assert writes.holds_next()
+
+
+def test_a_bursts_entries_leave_as_one_batch_frame_in_their_place(
+    writes: WriteCoalescer, clock: Clock
+) -> None:
+    assert writes.send([b"first"]) == [b"first"]
+    for text in (b"b", b"c"):
+        clock.advance(SOON)
+        assert writes.send_entry(entry(text)) == []
+    clock.advance(SOON)
+    assert writes.send([b"large"]) == []  # closes the batch before it
+    clock.advance(SOON)
+    assert writes.send_entry(entry(b"d")) == []
+    assert writes.waiting == 3  # the batch of two, the large message, an open batch
+    written = writes.end_turn()
+    assert len(written) == 3
+    assert unbatched(written) == [b"b", b"c", b"large", b"d"]
+    assert writes.waiting == 0 and writes.end_turn() == []
+
+
+def test_a_message_that_leaves_takes_the_open_batch_along_first(
+    writes: WriteCoalescer, clock: Clock
+) -> None:
+    writes.send([b"a"])
+    clock.advance(SOON)
+    writes.send_entry(entry(b"b"))
+    clock.advance(LATER)
+    assert unbatched(writes.send([b"c"])) == [b"b", b"c"]
+
+
+def test_a_long_burst_of_entries_leaves_every_max_parts(
+    writes: WriteCoalescer, clock: Clock
+) -> None:
+    writes.send([b"first"])
+    for i in range(FLUSH_PARTS - 1):
+        clock.advance(SOON)
+        assert writes.send_entry(entry(b"%d" % i)) == []
+    clock.advance(SOON)
+    written = writes.send_entry(entry(b"last"))
+    assert len(written) == 1
+    assert unbatched(written) == [b"%d" % i for i in range(FLUSH_PARTS - 1)] + [b"last"]
+
+
+def test_a_batch_holds_at_most_max_batch_bytes_and_the_next_entry_opens_another(
+    writes: WriteCoalescer, clock: Clock
+) -> None:
+    entries = [entry(bytes([i]) * 300) for i in range(5)]
+    writes.max_batch_bytes = 2 * len(entries[0]) + 5  # room for two entries a batch
+    assert all(writes.fits_batch(each) for each in entries)
+    writes.send([b"first"])
+    for each in entries:
+        clock.advance(SOON)
+        assert writes.send_entry(each) == []
+    written = writes.end_turn()
+    assert all(len(part) <= 64 + writes.max_batch_bytes for part in written)
+    assert [len(unbatched([part])) for part in written] == [2, 2, 1]
+    assert unbatched(written) == [bytes([i]) * 300 for i in range(5)]
+    assert not writes.fits_batch(entry(b"x" * writes.max_batch_bytes))
+
+
+def test_paused_entries_wait_and_leave_on_resume_or_drain(clock: Clock) -> None:
+    writes = WriteCoalescer(clock, paused=True)
+    assert writes.holds_next()
+    assert writes.send_entry(entry(b"a")) == [] and writes.end_turn() == []
+    assert unbatched(writes.resume()) == [b"a"]
+    writes.pause()
+    writes.send_entry(entry(b"b"))
+    assert unbatched(writes.drain()) == [b"b"]
+
+
+def test_any_sequence_with_entries_keeps_every_message_once_and_in_order() -> None:
+    """As above, with small messages sent as entries whenever they would wait."""
+    events = ("send soon", "send later", "small soon", "end turn", "pause", "resume")
+    for sequence in itertools.product(events, repeat=5):
+        clock = Clock()
+        writes = WriteCoalescer(clock)
+        sent: list[bytes] = []
+        written: list[bytes | memoryview] = []
+        for n, event in enumerate(sequence):
+            if event.startswith(("send", "small")):
+                clock.advance(LATER if event == "send later" else SOON)
+                sent.append(b"%d" % n)
+                if event == "small soon" and writes.holds_next():
+                    out = writes.send_entry(entry(sent[-1]))
+                else:
+                    out = writes.send([sent[-1]])
+            elif event == "end turn":
+                out = writes.end_turn()
+            elif event == "pause":
+                writes.pause()
+                out = []
+            else:
+                out = writes.resume()
+            assert not (writes.paused and out), sequence
+            written += out
+        written += writes.resume() + writes.end_turn()
+        assert unbatched(written) == sent, sequence
 
 
 # -- the read gate ---------------------------------------------------------------------

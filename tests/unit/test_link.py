@@ -33,13 +33,19 @@ from asyncrpc.transport.link import FRAMES_PER_TURN, INLINE_COPY_MAX, Link
 from asyncrpc.transport.liveness import DEFAULT_SILENT_PEER_TIMEOUT, silence_options
 from asyncrpc.transport.shm import SHM_THRESHOLD, Segment, SegmentPool, fill_all
 from asyncrpc.wire import (
+    BATCHED_PAYLOAD_MAX,
+    NEED_DATA,
     Allocator,
     ExternalRef,
     Frame,
+    FrameDecoder,
     Handshake,
     Identity,
     Kind,
+    Limits,
     Role,
+    encode_batch,
+    encode_entry,
     encode_frame,
 )
 from asyncrpc.wire.codec import (
@@ -514,6 +520,16 @@ ESTABLISHED_VIOLATIONS = {
         RemoteProtocolError,
         "",
     ),
+    "a malformed BATCH frame": (
+        b"".join(encode_frame(Kind.BATCH, {}, b"\xc1")),
+        RemoteProtocolError,
+        "undecodable BATCH frame",
+    ),
+    "a BATCH frame carrying a handshake message": (
+        encode_batch([encode_entry(Kind.HELLO, {})]),
+        RemoteProtocolError,
+        "kind 1 not allowed in a BATCH frame",
+    ),
     "malformed segment keys": (
         b"".join(encode_frame(Kind.UNMAP, {"k": ["not", "keys"]})),
         RemoteProtocolError,
@@ -709,8 +725,44 @@ async def test_a_burst_in_one_turn_leaves_at_the_end_of_the_turn_in_one_write() 
     assert len(dialer.transport.writes) == writes + 1  # a burst: waits for the turn's end
     await next_turn()
     assert len(dialer.transport.writes) == writes + 2
+    assert one_frame(dialer.transport.writes[-1]).kind == Kind.BATCH  # 2 and 3, small
     await exchange(dialer, listener, lambda: len(listener.owner.frames) == 3)
     assert listener.received() == [1, 2, 3]
+    assert {frame.kind for frame in listener.owner.frames} == {Kind.NOTICE}
+
+
+def one_frame(data: bytes) -> Frame:
+    decoder = FrameDecoder(Limits.established(DEFAULT_MAX_FRAME_SIZE))
+    decoder.receive_data(data)
+    frame = decoder.next_event()
+    assert isinstance(frame, Frame) and decoder.next_event() is NEED_DATA
+    return frame
+
+
+async def test_a_bursts_messages_with_buffers_or_large_payloads_keep_frames_of_their_own() -> None:
+    clock = Clock()
+    dialer, listener = await connected(clock=clock)
+    await settle(dialer, listener)
+    writes = len(dialer.transport.writes)
+    dialer.send(1)
+    dialer.send(2, b"p" * BATCHED_PAYLOAD_MAX)  # small enough: an entry
+    dialer.send(3, b"p" * (BATCHED_PAYLOAD_MAX + 1))
+    dialer.send(4, b"", (memoryview(b"buffer"),))
+    dialer.send(5)
+    await next_turn()
+    decoder = FrameDecoder(Limits.established(DEFAULT_MAX_FRAME_SIZE))
+    decoder.receive_data(b"".join(dialer.transport.writes[writes:]))
+    kinds = []
+    while isinstance(frame := decoder.next_event(), Frame):
+        kinds.append(Kind(frame.kind).name)
+    assert kinds == ["NOTICE", "BATCH", "NOTICE", "NOTICE", "BATCH"]
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 5)
+    assert listener.received() == [1, 2, 3, 4, 5]
+    assert [len(f.payload) for f in listener.owner.frames][1:3] == [
+        BATCHED_PAYLOAD_MAX,
+        BATCHED_PAYLOAD_MAX + 1,
+    ]
+    assert bytes(listener.owner.frames[3].buffers[0]) == b"buffer"
 
 
 async def test_a_message_after_a_pause_in_the_turn_leaves_at_once() -> None:
@@ -789,6 +841,55 @@ async def test_the_owner_pauses_reading_and_frames_wait_until_it_resumes() -> No
     assert listener.transport.calls == ["pause_reading", "resume_reading"]
     await next_turn()
     assert listener.received() == [0, 1, 2, 3, 4]
+
+
+async def test_batches_fit_the_peers_frame_limit_and_a_message_too_large_for_one_goes_alone() -> (
+    None
+):
+    clock = Clock()
+    dialer, listener = await connected(clock=clock, max_frame_size=2500)
+    await settle(dialer, listener)
+    writes = len(dialer.transport.writes)
+    dialer.send(0)
+    for i in range(1, 8):
+        dialer.send(i, b"p" * 1000)
+    dialer.link.send(Kind.NOTICE, {"i": 8, "long": "m" * 3000}, b"")  # fits no batch
+    dialer.send(9)
+    await next_turn()
+    decoder = FrameDecoder(Limits.established(2500))
+    decoder.receive_data(b"".join(dialer.transport.writes[writes:]))
+    kinds = []
+    while isinstance(frame := decoder.next_event(), Frame):
+        kinds.append(Kind(frame.kind).name)
+    assert kinds == ["NOTICE", "BATCH", "BATCH", "BATCH", "BATCH", "NOTICE", "BATCH"]
+    await exchange(dialer, listener, lambda: len(listener.owner.frames) == 10)
+    assert listener.received() == list(range(10))
+    assert listener.owner.lost == []
+
+
+def batch(numbers: range) -> bytes:
+    return encode_batch([encode_entry(Kind.NOTICE, {"i": i}) for i in numbers])
+
+
+async def test_the_messages_of_a_batch_frame_wait_for_the_owners_pause_too() -> None:
+    _dialer, listener = await connected()
+    listener.owner.on_frame = lambda link, frame: frame.meta["i"] == 1 and link.pause_reading()
+    feed(listener, batch(range(4)) + frames(range(4, 6)))
+    assert listener.received() == [0, 1]
+    await settle(listener)
+    assert listener.received() == [0, 1]  # the rest of the batch waits, then the frames
+    listener.owner.on_frame = lambda link, frame: None
+    listener.link.resume_reading()
+    await next_turn()
+    assert listener.received() == [0, 1, 2, 3, 4, 5]
+
+
+async def test_a_batch_frame_is_handed_up_a_few_messages_per_turn() -> None:
+    _dialer, listener = await connected()
+    feed(listener, batch(range(FRAMES_PER_TURN + 5)))
+    assert len(listener.received()) == FRAMES_PER_TURN - 1  # (the BATCH frame took a go)
+    await next_turn()
+    assert listener.received() == list(range(FRAMES_PER_TURN + 5))
 
 
 async def test_the_owner_pause_outlasts_catching_up() -> None:
