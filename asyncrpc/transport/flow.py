@@ -12,8 +12,8 @@ A small message without buffers that would wait comes as a BATCH *entry*
 (``send_entry``, after ``holds_next`` said it would wait): consecutive entries
 leave as one BATCH frame, in their place among the burst's other messages, so
 the burst's small messages cost one frame's encoding and one parse at the
-other end (32 pipelined no-ops: see docs/architecture.md, "Bursts of small
-messages travel as one frame").
+other end (docs/architecture.md, "Bursts of small messages travel as one
+frame").  A batch holds at most ``max_batch_bytes`` of entries.
 While writing is paused (the transport's buffer is above its high-water mark,
 or there is no transport yet) everything waits; ``resume`` hands it all back.
 Its owner tells it when a loop turn that had a message ends (``end_turn``):
