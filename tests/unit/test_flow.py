@@ -148,25 +148,7 @@ def test_any_sequence_of_events_keeps_every_part_once_and_in_order() -> None:
     reordered, nothing leaves while paused, and nothing waits once resumed at a turn's end."""
     events = ("send soon", "send later", "end turn", "pause", "resume")
     for sequence in itertools.product(events, repeat=6):
-        clock = Clock()
-        writes = WriteCoalescer(clock)
-        sent: list[bytes | memoryview] = []
-        written: list[bytes | memoryview] = []
-        for n, event in enumerate(sequence):
-            if event.startswith("send"):
-                clock.advance(SOON if event == "send soon" else LATER)
-                sent.append(b"%d" % n)
-                out = writes.send([sent[-1]])
-            elif event == "end turn":
-                out = writes.end_turn()
-            elif event == "pause":
-                writes.pause()
-                out = []
-            else:
-                out = writes.resume()
-            assert not (writes.paused and out), sequence
-            written += out
-        written += writes.resume() + writes.end_turn()
+        sent, written = replay(sequence)
         assert written == sent, sequence
 
 
@@ -273,33 +255,42 @@ def test_paused_entries_wait_and_leave_on_resume_or_drain(clock: Clock) -> None:
     assert unbatched(writes.drain()) == [b"b"]
 
 
+def replay(sequence: tuple[str, ...]) -> tuple[list[bytes], list[bytes]]:
+    """Play ``sequence`` of events on a coalescer (a message sent "soon" or "later" after
+    the previous one, a "small" one as an entry whenever it would wait, the end of a
+    turn, a pause, a resume), checking that nothing leaves while paused: what was sent,
+    and what was written (BATCH frames unpacked), once resumed at a turn's end."""
+    clock = Clock()
+    writes = WriteCoalescer(clock)
+    sent: list[bytes] = []
+    written: list[bytes | memoryview] = []
+    for n, event in enumerate(sequence):
+        if event.startswith(("send", "small")):
+            clock.advance(LATER if event == "send later" else SOON)
+            sent.append(b"%d" % n)
+            if event == "small soon" and writes.holds_next():
+                out = writes.send_entry(entry(sent[-1]))
+            else:
+                out = writes.send([sent[-1]])
+        elif event == "end turn":
+            out = writes.end_turn()
+        elif event == "pause":
+            writes.pause()
+            out = []
+        else:
+            out = writes.resume()
+        assert not (writes.paused and out), sequence
+        written += out
+    written += writes.resume() + writes.end_turn()
+    return sent, unbatched(written)
+
+
 def test_any_sequence_with_entries_keeps_every_message_once_and_in_order() -> None:
     """As above, with small messages sent as entries whenever they would wait."""
     events = ("send soon", "send later", "small soon", "end turn", "pause", "resume")
     for sequence in itertools.product(events, repeat=5):
-        clock = Clock()
-        writes = WriteCoalescer(clock)
-        sent: list[bytes] = []
-        written: list[bytes | memoryview] = []
-        for n, event in enumerate(sequence):
-            if event.startswith(("send", "small")):
-                clock.advance(LATER if event == "send later" else SOON)
-                sent.append(b"%d" % n)
-                if event == "small soon" and writes.holds_next():
-                    out = writes.send_entry(entry(sent[-1]))
-                else:
-                    out = writes.send([sent[-1]])
-            elif event == "end turn":
-                out = writes.end_turn()
-            elif event == "pause":
-                writes.pause()
-                out = []
-            else:
-                out = writes.resume()
-            assert not (writes.paused and out), sequence
-            written += out
-        written += writes.resume() + writes.end_turn()
-        assert unbatched(written) == sent, sequence
+        sent, written = replay(sequence)
+        assert written == sent, sequence
 
 
 # -- the read gate ---------------------------------------------------------------------
