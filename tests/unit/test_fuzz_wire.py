@@ -4,6 +4,9 @@
     valid frames in arbitrary chunks, either yields frames within its limits or raises
     ``RemoteProtocolError``; it never raises anything else, never asks its allocator
     for more than its limit, and never allocates much more than its limit in all.
+(a') A BATCH frame's payload, any msgpack or any bytes, is split into frames of allowed
+    kinds or refused with ``RemoteProtocolError``; any batch we encode splits back into
+    its messages.
 (b) The handshake, fed arbitrary sequences of messages by a peer that does not know the
     secret (but sees every byte we send, and may reflect or forge proofs with it), either
     answers or raises ``HandshakeError``; it never raises anything else and never gets
@@ -36,10 +39,19 @@ from asyncrpc.wire.codec import (
     FrameDecoder,
     Limits,
     allocate_bytearray,
+    encode_batch,
+    encode_entry,
     encode_frame,
+    split_batch,
 )
 from asyncrpc.wire.handshake import Handshake, Identity, Role, State, _proof
-from asyncrpc.wire.messages import HANDSHAKE_KINDS, KNOWN_KINDS, PROTOCOL_VERSION, Kind
+from asyncrpc.wire.messages import (
+    ESTABLISHED_KINDS,
+    HANDSHAKE_KINDS,
+    KNOWN_KINDS,
+    PROTOCOL_VERSION,
+    Kind,
+)
 
 FUZZ = settings(
     max_examples=250,
@@ -241,6 +253,66 @@ def test_decoder_yields_frames_within_its_limits_or_raises_a_protocol_error(
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
     assert peak <= limits.max_frame_size + 2 * len(stream) + SLACK, f"peak {peak} bytes"
+
+
+_entries = st.one_of(
+    st.tuples(
+        st.one_of(st.sampled_from(sorted(KNOWN_KINDS)), _leaves),
+        st.one_of(st.dictionaries(st.text(max_size=6), _leaves, max_size=3), _leaves),
+        st.one_of(st.binary(max_size=60), _leaves),
+    ).map(list),
+    _msgpack_values(_leaves),
+)
+
+
+@FUZZ
+@given(
+    payload=st.one_of(
+        st.lists(_entries, max_size=6).map(lambda e: msgpack.packb(e, use_bin_type=True)),
+        _msgpack_values(_leaves).map(lambda v: msgpack.packb(v, use_bin_type=True)),
+        st.binary(max_size=200),
+    ),
+    kinds=st.sampled_from([ESTABLISHED_KINDS, frozenset({int(Kind.NOTICE)})]),
+)
+def test_a_batch_payload_splits_into_allowed_frames_or_raises_a_protocol_error(
+    payload: bytes, kinds: frozenset[int]
+) -> None:
+    try:
+        frames = split_batch(payload, kinds)
+    except RemoteProtocolError:
+        return
+    assert frames
+    for frame in frames:
+        assert frame.kind in kinds and frame.kind != Kind.BATCH
+        assert type(frame.meta) is dict and type(frame.payload) is bytes and not frame.buffers
+
+
+_comparable_leaves = st.one_of(  # (NaN is not equal to itself)
+    st.none(), st.booleans(), _lengths, st.floats(allow_nan=False), st.text(max_size=10)
+)
+
+
+@FUZZ
+@given(
+    messages=st.lists(
+        st.tuples(
+            st.sampled_from(sorted(ESTABLISHED_KINDS - {int(Kind.BATCH)})),
+            st.dictionaries(st.text(max_size=6), _comparable_leaves, max_size=3),
+            st.binary(max_size=1024),
+        ),
+        min_size=1,
+        max_size=20,
+    )
+)
+def test_any_batch_we_encode_splits_back_into_its_messages(
+    messages: list[tuple[int, dict[str, Any], bytes]],
+) -> None:
+    decoder = FrameDecoder(Limits.established(1 << 20))
+    decoder.receive_data(encode_batch([encode_entry(*message) for message in messages]))
+    frame = decoder.next_event()
+    assert isinstance(frame, Frame) and frame.kind == Kind.BATCH
+    split = split_batch(frame.payload, ESTABLISHED_KINDS)
+    assert [(f.kind, f.meta, f.payload) for f in split] == messages
 
 
 @FUZZ
