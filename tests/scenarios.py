@@ -278,9 +278,13 @@ async def peer_killed(cfg: Config) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     if cfg.rank == 0:
         slow = asyncrpc.rpc_async("w1", sleep_for, args=(25,))
+        # A burst in one turn: its small requests travel in BATCH frames.
+        burst = [asyncrpc.rpc_async("w1", sleep_for, args=(25,)) for _ in range(200)]
         started = time.monotonic()
         seen["killed"] = await outcome(asyncrpc.rpc_async("w1", die))
         seen["in_flight"] = await outcome(slow)
+        outcomes = await asyncio.gather(*(outcome(call) for call in burst))
+        seen["burst_errors"] = sorted({each.get("error", "returned") for each in outcomes})
         seen["elapsed"] = time.monotonic() - started
         seen["later_call"] = await outcome(asyncrpc.rpc_async("w1", whoami))
         seen["pending_after"] = asyncrpc.get_debug_info()["pending_outgoing_calls"]
