@@ -203,10 +203,8 @@ def loads_request(
     """``serde.loads`` for a request from ``peer_rank`` (``plain``: its header says
     ``PLAIN``; ``tensors``: its ``TENSORS``, if any); its call must not start before the
     futures added to ``waits`` are done (see :func:`start_after`)."""
-    if tensors is not None:
-        return loads_lean(payload, tensors, buffers)
-    if plain:
-        return loads(payload, buffers)
+    if plain or tensors is not None:
+        return _loads_plain(payload, buffers, tensors)
     return _loads(Transfer(agent, peer_rank, True, waits=waits), payload, buffers)
 
 
@@ -221,11 +219,17 @@ def loads_reply(
 ) -> Any:
     """``serde.loads`` for a reply from ``peer_rank`` (``plain``: its header says
     ``PLAIN``; ``tensors``: its ``TENSORS``, if any)."""
+    if plain or tensors is not None:
+        return _loads_plain(payload, buffers, tensors)
+    return _loads(Transfer(agent, peer_rank, False), payload, buffers)
+
+
+def _loads_plain(payload: bytes | bytearray, buffers: Sequence[Any], tensors: Any) -> Any:
+    """A plain message's value, no Transfer needed: through ``serde.lean`` if its header
+    carried the entries of its tensors and arrays."""
     if tensors is not None:
         return loads_lean(payload, tensors, buffers)
-    if plain:
-        return loads(payload, buffers)
-    return _loads(Transfer(agent, peer_rank, False), payload, buffers)
+    return loads(payload, buffers)
 
 
 def _loads(transfer: Transfer, payload: bytes | bytearray, buffers: Sequence[Any]) -> Any:

@@ -93,7 +93,7 @@ class WriteCoalescer:
     def holds_next(self) -> bool:
         """Whether a message sent now would wait for its burst (or for ``resume``): then
         a small one may come as an entry (``send_entry``)."""
-        return self.paused or (self.in_turn and self.clock() - self._last_message < self.within)
+        return self.paused or self._in_burst(self.clock())
 
     def fits_batch(self, entry: bytes) -> bool:
         """Whether a BATCH frame can carry ``entry`` (alone, at least)."""
@@ -114,7 +114,7 @@ class WriteCoalescer:
     def send(self, parts: Parts) -> Parts:
         """A message to write: now (with what waits before it), or later with its burst."""
         now = self.clock()
-        in_burst = self.in_turn and now - self._last_message < self.within
+        in_burst = self._in_burst(now)
         self._last_message = now
         self.in_turn = True
         if self.paused or in_burst:
@@ -143,6 +143,10 @@ class WriteCoalescer:
         self._close_batch()
         parts, self._outbox = self._outbox, []
         return parts
+
+    def _in_burst(self, now: float) -> bool:
+        """Whether a message at ``now`` follows the previous one closely, in this turn."""
+        return self.in_turn and now - self._last_message < self.within
 
     def _close_batch(self) -> None:
         """The open batch's entries, as one BATCH frame, join the outbox."""

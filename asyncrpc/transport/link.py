@@ -440,21 +440,16 @@ class Link(asyncio.BufferedProtocol):
         self._check_size(kind, payload, buffers, function)
         if buffers and self._lends_segments() and _has_large(buffers) and not self.closed:
             self._send_through_segments(kind, meta, payload, buffers)
-        elif not buffers and len(payload) <= BATCHED_PAYLOAD_MAX and self._joins_burst():
-            self._send_entry(encode_entry(kind, meta, payload), kind, meta, payload)
-        else:
-            self.write(self._encode_through_socket(kind, meta, payload, buffers))
-
-    def _send_entry(
-        self, entry: bytes, kind: int, meta: dict[str, Any], payload: bytes | memoryview
-    ) -> None:
-        """A small message that waits with its burst: an entry of the burst's BATCH frame,
-        or a frame of its own if too large for one (a long meta, a peer's small frames)."""
-        if not self._writes.fits_batch(entry):
-            self.write(self._encode_through_socket(kind, meta, payload, ()))
             return
-        first_in_turn = not self._writes.in_turn
-        self._after_write(first_in_turn, self._writes.send_entry(entry))
+        if not buffers and len(payload) <= BATCHED_PAYLOAD_MAX and self._joins_burst():
+            # An entry of its burst's BATCH frame, unless too large for one (a long meta,
+            # a peer's small frames): then a frame of its own, as any other message.
+            entry = encode_entry(kind, meta, payload)
+            if self._writes.fits_batch(entry):
+                first_in_turn = not self._writes.in_turn
+                self._after_write(first_in_turn, self._writes.send_entry(entry))
+                return
+        self.write(self._encode_through_socket(kind, meta, payload, buffers))
 
     def _joins_burst(self) -> bool:
         """Whether a small message sent now waits with a burst in the coalescer, and may

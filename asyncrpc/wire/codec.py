@@ -197,10 +197,8 @@ def encode_batch(entries: Sequence[bytes]) -> bytes:
     packed twice.  The receiver hands each entry up as a frame of its own
     (:func:`split_batch`): a burst of small messages costs one frame's prelude, header
     and parse."""
-    packer = _packer()
-    payload = b"".join([packer.pack_array_header(len(entries)), *entries])
-    header: bytes = packer.pack([BATCH, {}, len(payload), []])
-    return PRELUDE.pack(MAGIC, 0, len(header)) + header + payload
+    payload = b"".join([_packer().pack_array_header(len(entries)), *entries])
+    return b"".join(encode_frame(BATCH, {}, payload))  # (a batch is small: one part)
 
 
 def split_batch(payload: bytes | bytearray, kinds: frozenset[int]) -> list[Frame]:
