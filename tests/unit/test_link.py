@@ -711,11 +711,17 @@ async def test_close_while_paused_still_writes_what_waits() -> None:
     assert listener.received() == [1, 2]
 
 
-async def test_a_burst_in_one_turn_leaves_at_the_end_of_the_turn_in_one_write() -> None:
+async def quiet_pair(**options: Any) -> tuple[Clock, End, End, int]:
+    """A connected pair on a clock the test moves, settled; and how many writes the
+    dialer has made so far."""
     clock = Clock()
-    dialer, listener = await connected(clock=clock)
+    dialer, listener = await connected(clock=clock, **options)
     await settle(dialer, listener)
-    writes = len(dialer.transport.writes)
+    return clock, dialer, listener, len(dialer.transport.writes)
+
+
+async def test_a_burst_in_one_turn_leaves_at_the_end_of_the_turn_in_one_write() -> None:
+    clock, dialer, listener, writes = await quiet_pair()
     dialer.send(1)  # the first of the turn: at once
     assert len(dialer.transport.writes) == writes + 1
     clock.now += COALESCE_WITHIN / 2
@@ -750,10 +756,7 @@ def one_frame(data: bytes) -> Frame:
 
 
 async def test_a_bursts_messages_with_buffers_or_large_payloads_keep_frames_of_their_own() -> None:
-    clock = Clock()
-    dialer, listener = await connected(clock=clock)
-    await settle(dialer, listener)
-    writes = len(dialer.transport.writes)
+    _clock, dialer, listener, writes = await quiet_pair()
     dialer.send(1)
     dialer.send(2, b"p" * BATCHED_PAYLOAD_MAX)  # small enough: an entry
     dialer.send(3, b"p" * (BATCHED_PAYLOAD_MAX + 1))
@@ -771,10 +774,7 @@ async def test_a_bursts_messages_with_buffers_or_large_payloads_keep_frames_of_t
 
 
 async def test_a_message_after_a_pause_in_the_turn_leaves_at_once() -> None:
-    clock = Clock()
-    dialer, listener = await connected(clock=clock)
-    await settle(dialer, listener)
-    writes = len(dialer.transport.writes)
+    clock, dialer, listener, writes = await quiet_pair()
     dialer.send(1)
     clock.now += COALESCE_WITHIN / 2
     dialer.send(2)  # held
@@ -786,10 +786,8 @@ async def test_a_message_after_a_pause_in_the_turn_leaves_at_once() -> None:
 
 
 async def test_the_first_message_of_a_later_turn_leaves_at_once() -> None:
-    clock = Clock()  # stands still: only the turn's end separates the two
-    dialer, listener = await connected(clock=clock)
-    await settle(dialer, listener)
-    writes = len(dialer.transport.writes)
+    # The clock stands still: only the turn's end separates the two.
+    _clock, dialer, listener, writes = await quiet_pair()
     dialer.send(1)
     await next_turn()
     dialer.send(2)
@@ -851,10 +849,7 @@ async def test_the_owner_pauses_reading_and_frames_wait_until_it_resumes() -> No
 async def test_batches_fit_the_peers_frame_limit_and_a_message_too_large_for_one_goes_alone() -> (
     None
 ):
-    clock = Clock()
-    dialer, listener = await connected(clock=clock, max_frame_size=2500)
-    await settle(dialer, listener)
-    writes = len(dialer.transport.writes)
+    _clock, dialer, listener, writes = await quiet_pair(max_frame_size=2500)
     dialer.send(0)
     for i in range(1, 8):
         dialer.send(i, b"p" * 1000)
