@@ -11,8 +11,11 @@ same way: the same counts, the same fresh pair of processes, the same clock.
 * The caller (rank 0) times ``calls``: the plain and the coroutine no-op (sequential,
   its loop busy-polling), the pipelined no-op (``window`` in flight, a semaphore and a
   done callback per call, as both frameworks' workers do), and the model-parallel step
-  with no RPC at all (both stages in this process, autograd and an SGD step over both:
-  the step's own compute, which no framework can go below).  ``spread`` times single
+  twice: over the skeleton (stage 2 on the server, the step's three round trips -- the
+  forward in a pool thread, as a user's function runs, the backward and the SGD step on
+  the server's loop -- with tensors as numpy arrays in the pickles and autograd run by
+  hand at each end), and with no RPC at all (both stages in this process: the step's
+  own compute, which no framework can go below).  ``spread`` times single
   plain no-ops as the frameworks' spread job does, and ``fanin`` (N callers) keeps
   ``fanin_window`` plain no-ops in flight from each, windows started together.
 
@@ -31,12 +34,14 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import uvloop
 from _common import (
     Config,
     Results,
     WorkerArgs,
+    check_trained,
     config,
     make_batch,
     make_stage1,
@@ -119,10 +124,12 @@ async def connect(job: WorkerArgs, limit_s: float) -> SkeletonClient:
             await asyncio.sleep(0.01)
 
 
-def caller_of(caller: SkeletonClient, function: Callable[..., Any]) -> Callable[[], Any]:
-    def once() -> asyncio.Future[Any]:
+def caller_of(caller: SkeletonClient, function: Callable[..., Any]) -> Callable[..., Any]:
+    """Calls of ``function`` on the server: ``once(*args)`` is a future of its result."""
+
+    def once(*args: Any) -> asyncio.Future[Any]:
         caller.function = function
-        return caller.call()
+        return caller.call(*args)
 
     return once
 
@@ -166,8 +173,88 @@ def local_step() -> Callable[[], Awaitable[torch.Tensor]]:
     return step
 
 
+class ServedStage:
+    """The server's half of the skeleton's model-parallel step: stage 2, its optimizer,
+    and the tensors of the step in progress (steps come one at a time)."""
+
+    stage: Stage2 | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    received: torch.Tensor | None = None  # the activation, a leaf that requires grad
+    output: torch.Tensor | None = None
+
+    @classmethod
+    def made(cls) -> type[ServedStage]:
+        if cls.stage is None:
+            cls.stage = Stage2()
+            cls.optimizer = torch.optim.SGD(cls.stage.parameters(), lr=0.01)
+        return cls
+
+
+def stage2_forward(activation: np.ndarray) -> np.ndarray:
+    """Server, in a pool thread (a user's forward): stage 2 on the activation."""
+    served = ServedStage.made()
+    assert served.stage is not None
+    served.received = torch.from_numpy(activation).requires_grad_()
+    served.output = served.stage(served.received)
+    result: np.ndarray = served.output.detach().numpy()
+    return result
+
+
+async def stage2_backward(grad_output: np.ndarray) -> np.ndarray:
+    """Server, on its loop: stage 2's backward; the activation's gradient."""
+    served = ServedStage.made()
+    assert served.output is not None and served.received is not None
+    served.output.backward(torch.from_numpy(grad_output))
+    assert served.received.grad is not None
+    grad: np.ndarray = served.received.grad.numpy()
+    served.output = served.received = None
+    return grad
+
+
+async def stage2_step() -> None:
+    """Server, on its loop: stage 2's SGD step."""
+    optimizer = ServedStage.made().optimizer
+    assert optimizer is not None
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def remote_step(caller: SkeletonClient) -> Callable[[], Awaitable[torch.Tensor]]:
+    """The model-parallel step over the skeleton: stage 1 here, stage 2 on the server."""
+    stage1 = make_stage1()
+    optimizer = torch.optim.SGD(stage1.parameters(), lr=0.01)
+    x, y = make_batch()
+    forward, backward, step_there = (
+        caller_of(caller, f) for f in (stage2_forward, stage2_backward, stage2_step)
+    )
+
+    async def step() -> torch.Tensor:
+        optimizer.zero_grad()
+        activation = stage1(x)
+        output = torch.from_numpy(await forward(activation.detach().numpy()))
+        output.requires_grad_()
+        loss = cross_entropy(output, y)
+        loss.backward()
+        assert output.grad is not None
+        activation.backward(torch.from_numpy(await backward(output.grad.numpy())))
+        stepped = step_there()  # both optimizers step at once, as DistributedOptimizer's
+        optimizer.step()
+        await stepped
+        return loss.detach()
+
+    return step
+
+
+async def trained_step_us(cfg: Config, step: Callable[[], Awaitable[torch.Tensor]]) -> Results:
+    """``sequential_us`` of a model-parallel step, checking that it trains."""
+    first = await step()
+    result = await sequential_us(cfg, step, cfg.step_counts)
+    check_trained(first, await step())
+    return result
+
+
 async def calls(cfg: Config, job: WorkerArgs) -> Results:
-    step = await sequential_us(cfg, local_step(), cfg.step_counts)  # before the server spins
+    compute = await trained_step_us(cfg, local_step())  # before the server spins
     caller = await connect(job, cfg.rpc_timeout)
     pipelined = await pipelined_rate(cfg, caller)
     spinner = Spinner(asyncio.get_running_loop())
@@ -176,7 +263,8 @@ async def calls(cfg: Config, job: WorkerArgs) -> Results:
         "noop_us": await sequential_us(cfg, caller_of(caller, plain_noop)),
         "coroutine_noop_us": await sequential_us(cfg, caller_of(caller, coroutine_noop)),
         "pipelined_calls_per_s": pipelined,
-        "model_parallel_step_us": step,
+        "model_parallel_step_us": await trained_step_us(cfg, remote_step(caller)),
+        "step_compute_us": compute,
     }
     spinner.stop()
     caller.transport.close()
