@@ -92,7 +92,14 @@ from asyncrpc.agent.deadlines import Deadlines
 from asyncrpc.agent.dispatch import function_name, unpack_error
 from asyncrpc.agent.inbound import Inbound
 from asyncrpc.agent.metrics import call_metrics, outcome_of
-from asyncrpc.agent.notices import Notice, Notices, delivered, handle
+from asyncrpc.agent.notices import (
+    Notice,
+    Notices,
+    delivered,
+    fits_a_request,
+    handle,
+    in_frames,
+)
 from asyncrpc.agent.outgoing import Outgoing, send_unless_lost
 from asyncrpc.agent.polling import BusyPoller, oversubscribed
 from asyncrpc.agent.routes import Routes
@@ -501,8 +508,7 @@ class RpcAgent:
     def _tell(self, link: Link, phases: tuple[int, ...]) -> None:
         """SHUTDOWN for each phase, after the notices queued for the peer (so a worker
         that has seen our SHUTDOWN has handled every notice we sent before it)."""
-        notices = self._notices.take(link.peer.name)
-        if notices:
+        for notices in in_frames(link.peer.name, self._notices.take(link.peer.name)):
             self._write(link, self._notice_message(link.peer.name, notices))
         for phase in phases:
             link.send(Kind.SHUTDOWN, {"rank": self.info.id, "phase": phase})
@@ -594,6 +600,9 @@ class RpcAgent:
         if context_values:
             meta["c"] = context_values
         notices = self._notices.take(peer)
+        if notices and not fits_a_request(notices):  # they leave ahead of it, in order
+            self._send_notice_frames(peer, notices)
+            notices = []
         if isinstance(request, bytes):  # plain: nothing to undo or stage
             meta[PLAIN] = True
             if not notices and link is not None and peer not in self._backlog:
@@ -683,9 +692,13 @@ class RpcAgent:
                 raise answer
 
     def _send_notices(self) -> None:
-        """Everything queued leaves now, in a NOTICE frame per peer."""
+        """Everything queued leaves now, in NOTICE frames (one per peer, as a rule)."""
         for peer, notices in self._notices.take_all().items():
-            self._send(peer, self._notice_message(peer, notices))
+            self._send_notice_frames(peer, notices)
+
+    def _send_notice_frames(self, peer: str, notices: list[Notice]) -> None:
+        for run in in_frames(peer, notices):
+            self._send(peer, self._notice_message(peer, run))
 
     def _notice_message(self, peer: str, notices: list[Notice]) -> Outgoing:
         """A NOTICE frame carrying ``notices``; they are given back if it never leaves."""
@@ -720,12 +733,12 @@ class RpcAgent:
 
     def _send_given_back(self, link: Link) -> None:
         """The notices given back for ``link``'s peer, in a NOTICE frame, now."""
-        notices = self._notices.take_returned(link.peer.name)
-        if notices:
+        peer = link.peer.name
+        for notices in in_frames(peer, self._notices.take_returned(peer)):
             try:
                 link.send(Kind.NOTICE, {"n": notices})
-            except LocalProtocolError as exc:  # too large for the link: they never can go
-                log.error("notices for %r dropped: %s", link.peer.name, exc)
+            except LocalProtocolError as exc:  # (each run fits a frame: not expected)
+                log.error("notices for %r dropped: %s", peer, exc)
 
     def _queue_behind_dial(self, peer: str, message: Outgoing) -> None:
         backlog = self._backlog.get(peer)

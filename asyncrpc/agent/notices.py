@@ -19,6 +19,13 @@ answered a later request of ours, has handled every notice we sent before it.
 Handlers must be quick and must not block.  A notice with an unknown key or bad
 arguments is logged and dropped; the worker keeps serving.
 
+A frame's header holds 64 KiB, and a worker that drops thousands of RRefs at once
+queues a notice for each.  So a request carries its peer's notices only while they
+take at most ``REQUEST_NOTICE_BYTES`` (a few, as in a training loop); more leave just
+ahead of it, in as many NOTICE frames as they need (:func:`in_frames`, at most
+``FRAME_NOTICE_BYTES`` each, in order).  A notice that fits no frame, or that msgpack
+cannot pack, could never leave: it is logged and dropped, and nothing else with it.
+
 A message that carried notices but never leaves (see
 :mod:`asyncrpc.agent.outgoing`) gives them back (:meth:`Notices.give_back`).
 They are older than anything else still on its way to that peer, so they go
@@ -30,14 +37,24 @@ has nothing left to handle: :meth:`Notices.forget` drops what waits for it.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
+
+import msgpack
 
 from asyncrpc.agent.dispatch import on_loop
 
 log = logging.getLogger("asyncrpc.agent")
 Notice = list[Any]  # [key, *args]
 Handler = Callable[..., None]  # handler(agent, sender rank, *args)
+
+REQUEST_NOTICE_BYTES: Final = 4 * 1024
+"""The most notices (packed) a request carries in its header; more leave ahead of it."""
+FRAME_NOTICE_BYTES: Final = 48 * 1024
+"""The most notices (packed) one NOTICE frame carries (a header holds 64 KiB)."""
+_UNPACKABLE = (TypeError, ValueError, OverflowError)  # what msgpack raises for a value
+_local = threading.local()  # a msgpack Packer per thread, to size notices
 
 _handlers: dict[str, Handler] = {}
 
@@ -94,6 +111,54 @@ class Notices:
 
     def __len__(self) -> int:
         return sum(map(len, self._queued.values())) + sum(map(len, self._returned.values()))
+
+
+def fits_a_request(notices: list[Notice]) -> bool:
+    """Whether ``notices`` are few and small enough to ride in a request's header (and
+    msgpack can pack each: :func:`in_frames` leaves out one it cannot)."""
+    total = 0
+    for notice in notices:
+        try:
+            total += _packed_size(notice)
+        except _UNPACKABLE:
+            return False
+        if total > REQUEST_NOTICE_BYTES:
+            return False
+    return True
+
+
+def in_frames(peer: str, notices: list[Notice]) -> list[list[Notice]]:
+    """``notices`` for worker ``peer``, in order, split into runs of at most
+    ``FRAME_NOTICE_BYTES`` each (one NOTICE frame's worth); a notice that fits no frame,
+    or cannot be packed, is logged and left out (it could never leave)."""
+    frames: list[list[Notice]] = []
+    run: list[Notice] = []
+    size = 0
+    for notice in notices:
+        try:
+            nbytes = _packed_size(notice)
+        except _UNPACKABLE as exc:
+            log.error("notice %.80r for %r dropped: msgpack cannot pack it (%s)", notice, peer, exc)
+            continue
+        if nbytes > FRAME_NOTICE_BYTES:
+            log.error(
+                "notice %.80r for %r dropped: %d bytes packed, more than a frame's %d",
+                *(notice, peer, nbytes, FRAME_NOTICE_BYTES),
+            )
+            continue
+        if size + nbytes > FRAME_NOTICE_BYTES:
+            frames.append(run)
+            run, size = [], 0
+        run.append(notice)
+        size += nbytes
+    return [*frames, run] if run else frames
+
+
+def _packed_size(notice: Notice) -> int:
+    packer: msgpack.Packer | None = getattr(_local, "packer", None)
+    if packer is None:
+        packer = _local.packer = msgpack.Packer(use_bin_type=True)
+    return len(packer.pack(notice))
 
 
 def handle(agent: object, sender: int, notices: Any) -> None:

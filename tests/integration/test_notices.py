@@ -73,6 +73,40 @@ async def test_a_notice_rides_on_the_next_request_in_order(
     assert a.debug_info()["queued_notices"] == 0
 
 
+async def test_more_notices_than_a_header_holds_leave_ahead_of_the_request_in_order(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    """10,000 notices (~270 KB packed, a header holds 64 KiB): they leave in NOTICE
+    frames just ahead of the next request, every one handled, in order, before it."""
+    a, _ = pair
+    await a.rpc_async("b", record_call, ("dial",))
+    kinds = count_frames(a, "b")
+    for i in range(10_000):
+        a.notify("b", "test.record", f"notice {i:05}")
+    await a.rpc_async("b", record_call, ("after",))
+    assert kinds[-1] == Kind.REQUEST and set(kinds[:-1]) == {Kind.NOTICE}
+    assert 6 <= len(kinds) - 1 <= 8  # ~48 KiB of notices a frame
+    assert seen[1:] == [("b", 0, f"notice {i:05}") for i in range(10_000)] + [("call", -1, "after")]
+    assert a.debug_info()["queued_notices"] == 0
+
+
+async def test_a_notice_that_can_never_leave_is_dropped_alone(
+    pair: tuple[RpcAgent, RpcAgent], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A notice msgpack cannot pack, or larger than any frame's header, is logged and
+    dropped; the notices around it and the call they would ride on go through."""
+    a, _ = pair
+    await a.rpc_async("b", record_call, ("dial",))
+    a.notify("b", "test.record", "before")
+    a.notify("b", "test.record", object())
+    a.notify("b", "test.record", "x" * 70_000)
+    a.notify("b", "test.record", "after")
+    await a.rpc_async("b", record_call, ("call",))
+    assert seen[1:] == [("b", 0, "before"), ("b", 0, "after"), ("call", -1, "call")]
+    assert "for 'b' dropped: msgpack cannot pack it" in caplog.text
+    assert "for 'b' dropped: 70018 bytes packed, more than a frame's 49152" in caplog.text
+
+
 async def test_a_notice_alone_leaves_in_a_frame_of_its_own(
     pair: tuple[RpcAgent, RpcAgent],
 ) -> None:

@@ -154,6 +154,25 @@ async def test_a_dropped_rref_costs_its_owner_a_notice_not_a_call(
     assert all(n == 1 for n in new.values()), new
 
 
+async def test_thousands_of_rrefs_dropped_at_once_are_all_freed_and_calls_go_on(
+    trio: tuple[RpcAgent, RpcAgent, RpcAgent], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A list of 6,000 handles dropped in one go: their deletions are more notices than
+    one frame's header holds.  They travel in as many frames as they need, the next call
+    (which would carry them) goes through, and the owner frees every value."""
+    a = trio[0]
+    rrefs = [remote("b", operator.add, (i, 1)) for i in range(6000)]
+    assert [await r.to_here() for r in rrefs[:3]] == [1, 2, 3]
+    await asyncio.gather(*(r.to_here() for r in rrefs))
+    assert (await settled(trio))[1] == {"owner_rrefs": 6000, "user_rrefs": 0}
+    del rrefs
+    gc.collect()
+    context_for(a)._count_dropped()
+    assert await a.rpc_async("b", operator.add, (2, 3)) == 5  # carrying what fits
+    assert await settled(trio) == [ZERO] * 3
+    assert "dropped" not in caplog.text
+
+
 @pytest.mark.parametrize(
     "args",
     [(), (1, 2, 3), ("0", 1, 2, 3), (0, 1, 2, None), ([0, 1], [2, 3]), (0, 1, 2, 3, 4)],
