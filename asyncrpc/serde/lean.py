@@ -20,7 +20,8 @@ and buffers first, and its unpickler's ``persistent_load`` is the list's
 pickle's memo would have it.  A value that is one tensor or array, the commonest reply,
 skips the pickler at both ends: its payload is the constant ``_FIRST``.
 
-:func:`dumps_lean` gives up (None) on anything a reducer must see: a registered type
+:func:`dumps_lean` gives up (None) on a value of more than ``ENTRIES_MAX`` tensors and
+arrays, and on anything a reducer must see: a registered type
 (an RRef, a Parameter), a tensor of another kind (CUDA, sparse, quantized, a subclass),
 and a tensor that requires grad (distributed autograd records those as they are
 pickled; a plain tensor's ``requires_grad`` travels in ``dumps``' meta).  The message
@@ -47,6 +48,10 @@ Entry = tuple[str, str, tuple[int, ...], tuple[int, ...]]
 """(``"t"`` for a tensor or ``"a"`` for an array, dtype name, shape, strides)"""
 
 _CONTAINERS = frozenset({tuple, list, dict})
+ENTRIES_MAX: Final = 512
+"""Tensors and arrays a lean message carries, at most: each entry takes ~20 bytes of its
+frame's header (64 KiB in all).  A value with more takes ``dumps``, whose payload
+carries their metadata."""
 _local = threading.local()
 
 
@@ -78,6 +83,8 @@ class _LeanPickler(pickle.Pickler):
         known = self.seen.get(id(value))
         if known is not None:
             return known
+        if len(self.entries) == ENTRIES_MAX:  # the header would grow too long
+            raise _GiveUpError
         entry, view = _split(value, kind)
         index = self.seen[id(value)] = len(self.entries)
         self.kept.append(value)

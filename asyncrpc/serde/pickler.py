@@ -5,10 +5,12 @@ Theory of operation
 ``dumps`` pickles any value with protocol 5.  A tensor reduces to
 ``load_tensor(meta, PickleBuffer(bytes))``; the pickler's ``buffer_callback``
 collects each PickleBuffer instead of writing it into the stream, so tensor
-bytes never enter the payload: they become separate wire buffers, passed as
-zero-copy memoryviews.  ``loads`` hands the received buffer objects (fresh
-uint8 storage or shared-memory mappings) back to pickle, which passes each one
-unchanged to ``load_tensor``.
+bytes do not enter the payload: they become separate wire buffers, passed as
+zero-copy memoryviews (up to ``OUT_OF_BAND_MAX`` small ones a message: each has a
+descriptor in the frame's header, and past that many a small one is copied into the
+payload, where the receiver's unpickler finds it in a bytearray).  ``loads`` hands
+the received buffer objects (fresh uint8 storage or shared-memory mappings) back to
+pickle, which passes each one unchanged to ``load_tensor``.
 
 Functions and classes pickle by reference (module and qualified name), as in
 torch.distributed.rpc, so ``torch.add`` or ``mymodule.train_step`` travel as
@@ -100,7 +102,8 @@ def _reduce_cuda(tensor: torch.Tensor) -> Any:
     meta, path, value = dumped
     if path == "ipc":
         return load_ipc_tensor, (meta, value)
-    return load_tensor, (meta, _out_of_band(byte_view(value, value.numel())))
+    # (its host copy is being made: it leaves out of band, never copied into the payload)
+    return load_tensor, (meta, _out_of_band(byte_view(value, value.numel()), staged=True))
 
 
 def _reduce_sparse(tensor: torch.Tensor) -> Any:
@@ -111,23 +114,39 @@ def _reduce_sparse(tensor: torch.Tensor) -> Any:
     return load_sparse, dumped
 
 
-def _out_of_band(view: memoryview) -> pickle.PickleBuffer:
+def _out_of_band(view: memoryview, *, staged: bool = False) -> pickle.PickleBuffer:
     """Wrap ``view`` for pickle, noting it so the buffer callback hands out ``view``
-    itself rather than a view of the wrapper (see the module docstring)."""
+    itself rather than a view of the wrapper (see the module docstring).  ``staged``:
+    its bytes are still being written (a CUDA tensor's host copy), so they must not be
+    copied into the payload now."""
     buffer = pickle.PickleBuffer(view)
-    views: dict[int, memoryview] | None = getattr(_local, "views", None)
+    views: dict[int, tuple[memoryview, bool]] | None = getattr(_local, "views", None)
     if views is not None:
-        views[id(buffer)] = view
+        views[id(buffer)] = (view, staged)
     return buffer
 
 
+OUT_OF_BAND_MAX: Final = 1024
+"""Small buffers a message sends out of band, at most: each costs a few bytes of its
+frame's header, which holds 64 KiB.  Past this many, one under ``IN_BAND_BELOW`` bytes
+is copied into the payload instead (a value of 20,000 small tensors still travels);
+larger ones always leave out of band (zero-copy, shared memory)."""
+IN_BAND_BELOW: Final = 64 * 1024
+
+
 def _collect(
-    views: dict[int, memoryview], buffers: list[memoryview], buffer: pickle.PickleBuffer
+    views: dict[int, tuple[memoryview, bool]],
+    buffers: list[memoryview],
+    buffer: pickle.PickleBuffer,
 ) -> bool:
     """The pickler's buffer callback: a buffer of ours leaves out of band as the view
-    behind it; any other goes into the stream (a true answer tells pickle so)."""
-    view = views.pop(id(buffer), None)
-    if view is None:
+    behind it, unless the message has ``OUT_OF_BAND_MAX`` already and it is small (and
+    not staged); any other goes into the stream (a true answer tells pickle so)."""
+    ours = views.pop(id(buffer), None)
+    if ours is None:
+        return True
+    view, staged = ours
+    if len(buffers) >= OUT_OF_BAND_MAX and view.nbytes < IN_BAND_BELOW and not staged:
         return True
     buffers.append(view)
     return False
@@ -159,7 +178,7 @@ class _Reusable:
 
     def __init__(self) -> None:
         self.stream = io.BytesIO()
-        self.views: dict[int, memoryview] = {}
+        self.views: dict[int, tuple[memoryview, bool]] = {}
         self.buffers: list[memoryview] = []
         collect = functools.partial(_collect, self.views, self.buffers)
         self.pickler = _Pickler(self.stream, protocol=5, buffer_callback=collect)

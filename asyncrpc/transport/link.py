@@ -380,6 +380,18 @@ class Link(asyncio.BufferedProtocol):
         ``LocalProtocolError`` (naming ``function``, the call it belongs to) before
         anything is written or shared."""
         self._check_size(kind, payload, buffers, function)
+        try:
+            return self._encode(kind, meta, payload, buffers)
+        except LocalProtocolError as exc:
+            raise self._named(exc, kind, function) from None
+
+    def _encode(
+        self,
+        kind: int,
+        meta: dict[str, Any],
+        payload: bytes | memoryview,
+        buffers: Sequence[memoryview],
+    ) -> Parts:
         pool = self._segments if self._lends_segments() else None
         if pool is None or not _has_large(buffers):
             return self._encode_through_socket(kind, meta, payload, buffers)
@@ -438,6 +450,18 @@ class Link(asyncio.BufferedProtocol):
         copied by the segment pool's threads (here if small and warm), and the message,
         with every later one, waits for them.  Too large a message raises, as ``encode``."""
         self._check_size(kind, payload, buffers, function)
+        try:
+            self._send(kind, meta, payload, buffers)
+        except LocalProtocolError as exc:
+            raise self._named(exc, kind, function) from None
+
+    def _send(
+        self,
+        kind: int,
+        meta: dict[str, Any],
+        payload: bytes | memoryview,
+        buffers: Sequence[memoryview],
+    ) -> None:
         if buffers and self._lends_segments() and _has_large(buffers) and not self.closed:
             self._send_through_segments(kind, meta, payload, buffers)
             return
@@ -477,15 +501,35 @@ class Link(asyncio.BufferedProtocol):
             raise self._too_large(kind, size, function)
 
     def _too_large(self, kind: int, nbytes: int, function: str) -> LocalProtocolError:
-        local = self.handshake.local.name
-        peer = self.handshake.peer.name if self.handshake.peer else "?"
-        if kind == Kind.REQUEST:
-            what = f"call to {function} on worker {peer!r}"
-        elif kind in (Kind.RESPONSE, Kind.ERROR):
-            what = f"reply of {function} from worker {local!r} to worker {peer!r}"
-        else:
-            what = f"{Kind(kind).name} message to worker {peer!r}"
+        what, peer = self._describe(kind, function), self._peer_name()
         return too_large(what, nbytes, self.max_frame_sizes, worker=peer, function=function)
+
+    def _named(self, exc: LocalProtocolError, kind: int, function: str) -> LocalProtocolError:
+        """``exc`` from the frame encoder, saying which message it was about, if it does
+        not say so already (a header too long: too many buffers, or too long a meta)."""
+        header = exc.details.get("header_bytes")
+        if header is None:
+            return exc
+        peer = self._peer_name()
+        return LocalProtocolError(
+            f"{self._describe(kind, function)} cannot be sent: {exc}; send its tensors "
+            f"in several messages, or fewer larger ones",
+            header_bytes=header,
+            worker=peer,
+            function=function,
+        )
+
+    def _describe(self, kind: int, function: str) -> str:
+        peer = self._peer_name()
+        if kind == Kind.REQUEST:
+            return f"call to {function} on worker {peer!r}"
+        if kind in (Kind.RESPONSE, Kind.ERROR):
+            local = self.handshake.local.name
+            return f"reply of {function} from worker {local!r} to worker {peer!r}"
+        return f"{Kind(kind).name} message to worker {peer!r}"
+
+    def _peer_name(self) -> str:
+        return self.handshake.peer.name if self.handshake.peer else "?"
 
     def _send_through_segments(
         self,

@@ -171,7 +171,11 @@ def encode_frame(
         )
     header = _packer().pack([kind, meta, len(payload), descriptors])
     if len(header) > MAX_HEADER_SIZE:
-        raise LocalProtocolError(f"frame header of {len(header)} bytes exceeds {MAX_HEADER_SIZE}")
+        raise LocalProtocolError(
+            f"its frame header would take {len(header)} bytes ({len(descriptors)} buffers), "
+            f"more than the {MAX_HEADER_SIZE} a header holds",
+            header_bytes=len(header),
+        )
     head = PRELUDE.pack(MAGIC, 0, len(header)) + header
     if len(payload) <= SMALL_PAYLOAD:
         return [head + payload, *inline]

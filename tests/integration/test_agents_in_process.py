@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -77,6 +78,50 @@ async def wait_at_gate(i: int) -> int:
     await Probe.gate.wait()
     Probe.running_now -= 1
     return i
+
+
+def each_plus_one(tensors: list[Any]) -> list[Any]:
+    return [t + 1 for t in tensors]
+
+
+async def test_a_call_of_twenty_thousand_tensors_and_its_reply_arrive_whole(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    """Far more tensors than a frame's header has descriptors for (a model's state, a
+    batch of observations): every one arrives, both ways, as torch's RPC delivers them."""
+    a, _ = pair
+    sent = [torch.full((2,), float(i)) for i in range(20_000)] + [np.arange(3.0)]
+    got = await a.rpc_async("b", each_plus_one, (sent,))
+    assert len(got) == len(sent)
+    assert [t.tolist() for t in got[:-1]] == [[i + 1.0] * 2 for i in range(20_000)]
+    assert isinstance(got[-1], np.ndarray) and got[-1].tolist() == [1.0, 2.0, 3.0]
+
+
+def twenty_thousand_tensors(_: Any) -> list[torch.Tensor]:
+    return [torch.full((2,), 1.0) for _ in range(20_000)]
+
+
+async def test_a_message_whose_header_cannot_fit_fails_its_call_by_name(
+    pair: tuple[RpcAgent, RpcAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Were every buffer out of band (no bound), 20,000 of them would need more header
+    than a frame has: the call fails naming itself and the worker, both ways, and the
+    link carries on."""
+    monkeypatch.setattr("asyncrpc.serde.pickler.OUT_OF_BAND_MAX", 10**9)
+    monkeypatch.setattr("asyncrpc.serde.lean.ENTRIES_MAX", 10**9)
+    a, _ = pair
+    many = [torch.full((2,), 1.0) for _ in range(20_000)]
+    with pytest.raises(LocalProtocolError) as request:
+        await a.rpc_async("b", each_plus_one, (many,))
+    assert str(request.value).startswith(
+        "call to tests.integration.test_agents_in_process.each_plus_one on worker 'b' "
+        "cannot be sent: its frame header would take"
+    )
+    assert "(20000 buffers), more than the 65536 a header holds" in str(request.value)
+    assert request.value.worker == "b"
+    with pytest.raises(LocalProtocolError, match=r"reply of .*twenty_thousand_tensors from "):
+        await a.rpc_async("b", twenty_thousand_tensors, (None,))  # (b's error, raised here)
+    assert await a.rpc_async("b", operator.add, (1, 2)) == 3
 
 
 async def test_timeout_cancels_the_remote_coroutine(pair: tuple[RpcAgent, RpcAgent]) -> None:

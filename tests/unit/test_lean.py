@@ -12,7 +12,7 @@ import torch
 
 from asyncrpc.errors import SerializationError
 from asyncrpc.serde import allocate_tensor_storage, dumps, loads, pickler, register_reducer
-from asyncrpc.serde.lean import dumps_lean, loads_lean
+from asyncrpc.serde.lean import ENTRIES_MAX, dumps_lean, loads_lean
 
 
 def receive(buffers: list[memoryview]) -> list[Any]:
@@ -185,3 +185,11 @@ def test_a_garbage_payload_is_refused_with_a_serialization_error() -> None:
         loads_lean(
             pickle.PROTO + b"\x05" + pickle.BININT1 + b"\x03" + pickle.BINPERSID + b".", [], []
         )
+
+
+def test_more_tensors_than_a_header_has_room_for_are_left_to_dumps() -> None:
+    """Each entry takes ~20 bytes of the frame's header: a value of more than
+    ``ENTRIES_MAX`` tensors and arrays takes ``dumps`` (their metadata in its payload)."""
+    most = [torch.full((2,), float(i)) for i in range(ENTRIES_MAX)]
+    assert dumps_lean(most) is not None
+    assert dumps_lean([*most, np.zeros(2)]) is None

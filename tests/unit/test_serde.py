@@ -841,3 +841,51 @@ def test_a_type_given_a_reducer_leaves_the_plain_path(monkeypatch: pytest.Monkey
     register_reducer(complex, lambda z: (complex, (z.real, -z.imag)))
     assert dumps_plain(2j) is None
     assert loads(dumps(2j)[0]) == -2j
+
+
+def test_a_value_of_many_small_tensors_keeps_a_bounded_number_of_buffers() -> None:
+    """Each out-of-band buffer is a descriptor in the frame's header (64 KiB): past
+    ``OUT_OF_BAND_MAX`` a small one is copied into the payload, a large one never is."""
+    small = [torch.full((3,), float(i)) for i in range(20_000)]
+    large = torch.arange(pickler.IN_BAND_BELOW // 4, dtype=torch.float32)
+    value = [*small[:10_000], large, *small[10_000:]]
+    payload, buffers = dumps(value)
+    assert len(buffers) == pickler.OUT_OF_BAND_MAX + 1
+    assert any(buf.nbytes == large.nbytes for buf in buffers[pickler.OUT_OF_BAND_MAX :])
+    got = loads(payload, receive(buffers))
+    assert len(got) == len(value)
+    for received, sent in zip(got, value, strict=True):
+        assert_same_tensor(received, sent)
+    in_band = got[-1]
+    in_band.add_(1)  # writable, and its own memory: the sender's tensor is untouched
+    assert in_band.tolist() == [20_000.0] * 3 and small[-1].tolist() == [19_999.0] * 3
+
+
+class Staged:
+    """Bytes still being written when pickled, as a CUDA tensor's host copy is."""
+
+    def __init__(self, data: bytearray) -> None:
+        self.data = data
+
+
+def _rebuild_staged(buffer: Any) -> Staged:
+    return Staged(bytearray(buffer))
+
+
+def test_a_staged_buffer_stays_out_of_band_past_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its bytes are copied only once staged (before the message leaves), never into the
+    payload while it is pickled."""
+    monkeypatch.setattr(pickler, "_REDUCERS", dict(pickler._REDUCERS))
+    monkeypatch.setattr(pickler, "_PLAIN_TYPES", set(pickler._PLAIN_TYPES))
+
+    def reduce_staged(obj: Staged) -> Any:
+        return _rebuild_staged, (pickler._out_of_band(memoryview(obj.data), staged=True),)
+
+    register_reducer(Staged, reduce_staged)
+    small = [torch.full((1,), float(i)) for i in range(pickler.OUT_OF_BAND_MAX + 5)]
+    staged = Staged(bytearray(b"not yet"))
+    payload, buffers = dumps([*small, staged])
+    assert len(buffers) == pickler.OUT_OF_BAND_MAX + 1
+    staged.data[:] = b"written"  # the copy finishes after pickling
+    got = loads(payload, receive(buffers))
+    assert got[-1].data == bytearray(b"written") and got[-2].item() == len(small) - 1
