@@ -92,7 +92,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Protocol, cast
+from typing import Any, Final, Protocol, TypeVar, cast
 
 from asyncrpc.errors import (
     HandshakeError,
@@ -146,6 +146,7 @@ _RELEASE: Final = int(Kind.RELEASE)  # (the kinds a link handles itself, as ints
 _UNMAP: Final = int(Kind.UNMAP)  # frame is compared with them)
 _STRIPES: Final = int(Kind.STRIPES)
 _BATCH: Final = int(Kind.BATCH)
+_T = TypeVar("_T")
 INLINE_COPY_MAX = 4 << 20
 """Bytes.  A copy this small into a warm segment (pages faulted in by an earlier copy)
 runs on the loop: it costs other work no more than a trip to a copier thread and back
@@ -379,11 +380,7 @@ class Link(asyncio.BufferedProtocol):
         to call from any thread.  A message above ``max_send_size`` raises
         ``LocalProtocolError`` (naming ``function``, the call it belongs to) before
         anything is written or shared."""
-        self._check_size(kind, payload, buffers, function)
-        try:
-            return self._encode(kind, meta, payload, buffers)
-        except LocalProtocolError as exc:
-            raise self._named(exc, kind, function) from None
+        return self._checked(self._encode, kind, meta, payload, buffers, function=function)
 
     def _encode(
         self,
@@ -449,9 +446,23 @@ class Link(asyncio.BufferedProtocol):
         """Encode and queue one message (loop thread only); large same-host buffers are
         copied by the segment pool's threads (here if small and warm), and the message,
         with every later one, waits for them.  Too large a message raises, as ``encode``."""
+        self._checked(self._send, kind, meta, payload, buffers, function=function)
+
+    def _checked(
+        self,
+        act: Callable[[int, dict[str, Any], bytes | memoryview, Sequence[memoryview]], _T],
+        kind: int,
+        meta: dict[str, Any],
+        payload: bytes | memoryview,
+        buffers: Sequence[memoryview],
+        *,
+        function: str,
+    ) -> _T:
+        """``act(kind, meta, payload, buffers)`` for a message within ``max_send_size``
+        (else ``LocalProtocolError``); an encoder's error about it names it."""
         self._check_size(kind, payload, buffers, function)
         try:
-            self._send(kind, meta, payload, buffers)
+            return act(kind, meta, payload, buffers)
         except LocalProtocolError as exc:
             raise self._named(exc, kind, function) from None
 
