@@ -21,6 +21,7 @@ function would (loop, awaitable or thread pool) with no extra hop.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
@@ -364,6 +365,9 @@ def remote(
     agent = _agent()
     context = context_for(agent)
     owner = agent.resolve(to).rank
+    # Handles dropped since the loop last counted them (the previous one of a loop that
+    # makes and drops RRefs, say) are counted now: their deletions ride on this request.
+    context._count_dropped()
     if owner == context.rank:
         made = (
             _call_when_made(context, func.rref._id, func.method, args or (), kwargs or {})
@@ -431,33 +435,35 @@ def _create(
     rref, first = registered
     context = context_for(_agent())
     value = context.value_of(rref)
+    outcome: asyncio.Future[None] = value.get_loop().create_future()
     if first:
         context.agent.invoke(func, args, kwargs).add_done_callback(
-            lambda made: _settle_value(value, made)
+            lambda made: _settle_value(value, made, outcome)
         )
-    return _outcome(value)
-
-
-def _outcome(value: asyncio.Future[Any]) -> asyncio.Future[None]:
-    """A future of ``value``'s success (None) or error, settled in the same step as
-    ``value``: the creator's confirmation leaves before any ``to_here`` reply."""
-    outcome: asyncio.Future[None] = value.get_loop().create_future()
-
-    def settle(done: asyncio.Future[Any]) -> None:
-        if outcome.done():
-            return
-        if done.cancelled():
-            outcome.cancel()
-        elif done.exception() is not None:
-            outcome.set_exception(done.exception())  # type: ignore[arg-type]
-        else:
-            outcome.set_result(None)
-
-    value.add_done_callback(settle)
+    else:
+        value.add_done_callback(functools.partial(_confirm, outcome))
     return outcome
 
 
-def _settle_value(value: asyncio.Future[Any], made: asyncio.Future[Any]) -> None:
+def _confirm(outcome: asyncio.Future[None], done: asyncio.Future[Any]) -> None:
+    """Settle ``outcome`` with ``done``'s success (None) or error: the creator's reply."""
+    if outcome.done():
+        return
+    if done.cancelled():
+        outcome.cancel()
+    elif done.exception() is not None:
+        outcome.set_exception(done.exception())  # type: ignore[arg-type]
+    else:
+        outcome.set_result(None)
+
+
+def _settle_value(
+    value: asyncio.Future[Any], made: asyncio.Future[Any], outcome: asyncio.Future[None]
+) -> None:
+    """The value is made (or failed): the creator's confirmation is settled first, so it
+    leaves before any ``to_here`` reply (their completions run in that order), and the
+    creator has its fork confirmed by the time it has the value."""
+    _confirm(outcome, made)
     _copy_outcome(made, value)
     if value.done() and not value.cancelled():
         value.exception()  # retrieved: it is raised to whoever uses the RRef

@@ -22,6 +22,7 @@ import torch
 from asyncrpc import RemoteError, RPCTimeoutError, RRef, RRefError, SerializationError, remote
 from asyncrpc.agent import AgentOptions, RpcAgent, async_execution, set_default_agent
 from asyncrpc.rref import context_for
+from asyncrpc.wire import Kind
 from tests.in_process import joined_agents
 
 pytestmark = pytest.mark.timeout(30)
@@ -117,8 +118,8 @@ async def test_remote_to_here_and_proxies(trio: tuple[RpcAgent, RpcAgent, RpcAge
     rref = remote("b", Counter, (5,))
     assert not rref.is_owner() and rref.owner().name == "b" and rref.owner_name() == "b"
     assert (await rref.to_here()).n == 5
+    assert rref.confirmed_by_owner()  # b confirmed it before it replied with the value
     assert await rref.rpc_async().add(1) == 6
-    assert rref.confirmed_by_owner()  # its answer left b before the reply to add()
     assert await rref.rpc_async().add_later(1) == 7
     assert await rref.rpc_async().add_when_told(1, None) == 8
     added = rref.remote().add(2)
@@ -152,6 +153,34 @@ async def test_a_dropped_rref_costs_its_owner_a_notice_not_a_call(
     del new["asyncrpc.agent.notices.delivered"]  # settled()'s own wait for the notice
     assert sorted(new) == ["RRef.to_here", "remote(_operator.add)"], new
     assert all(n == 1 for n in new.values()), new
+
+
+async def test_the_deletion_of_a_dropped_rref_rides_on_the_next_remote(
+    trio: tuple[RpcAgent, RpcAgent, RpcAgent],
+) -> None:
+    """A loop that makes and drops RRefs: the owner confirms each before it sends its
+    value, so when the handle dies its deletion can go at once, and it rides in the
+    header of the next ``remote()``'s request, not in a frame of its own."""
+    a = trio[0]
+    for i in range(3):
+        assert await remote("b", operator.add, (i, 1)).to_here() == i + 1
+    await settled(trio)
+    link = a._links["b"]
+    sent: list[tuple[int, dict[str, Any]]] = []
+    send = link.send
+
+    def recording(kind: int, meta: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        sent.append((kind, dict(meta)))
+        send(kind, meta, *args, **kwargs)
+
+    link.send = recording  # type: ignore[method-assign]
+    for i in range(3):
+        assert await remote("b", operator.add, (i, 1)).to_here() == i + 1
+    kinds = [kind for kind, _ in sent]
+    assert kinds == [Kind.REQUEST] * 6, kinds  # no NOTICE frame
+    deletions = [meta.get("n") for _, meta in sent if meta.get("f", "").startswith("remote(")]
+    assert deletions[0] is None and all(d and d[0][0] == "rref.fork_deleted" for d in deletions[1:])
+    assert await settled(trio) == [ZERO] * 3
 
 
 async def test_thousands_of_rrefs_dropped_at_once_are_all_freed_and_calls_go_on(
