@@ -174,11 +174,13 @@ class RRefContext:
         self._drain_scheduled = True
         with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to release
             if threading.get_ident() == self._loop_thread:
-                self._loop.call_soon(self._count_dropped)  # (no wake-up to write)
+                self._loop.call_soon(self.count_dropped)  # (no wake-up to write)
             else:
-                self._loop.call_soon_threadsafe(self._count_dropped)
+                self._loop.call_soon_threadsafe(self.count_dropped)
 
-    def _count_dropped(self) -> None:
+    def count_dropped(self) -> None:
+        """Count the handles dropped so far, now (any thread): scheduled after a drop, and
+        called by ``remote()``, so that their deletions ride on its request."""
         self._drain_scheduled = False
         while self._dropped:
             self.event(self.state.handle_dropped, self._dropped.popleft())
@@ -189,7 +191,7 @@ class RRefContext:
         self.event(self.state.peer_lost, rank)
 
     async def drain(self) -> None:
-        self._count_dropped()
+        self.count_dropped()
         while not (self.state.settled and not self._in_flight):
             self._changed.clear()
             await self._changed.wait()

@@ -367,7 +367,7 @@ def remote(
     owner = agent.resolve(to).rank
     # Handles dropped since the loop last counted them (the previous one of a loop that
     # makes and drops RRefs, say) are counted now: their deletions ride on this request.
-    context._count_dropped()
+    context.count_dropped()
     if owner == context.rank:
         made = (
             _call_when_made(context, func.rref._id, func.method, args or (), kwargs or {})
@@ -441,20 +441,8 @@ def _create(
             lambda made: _settle_value(value, made, outcome)
         )
     else:
-        value.add_done_callback(functools.partial(_confirm, outcome))
+        value.add_done_callback(functools.partial(_copy_outcome, target=outcome, with_result=False))
     return outcome
-
-
-def _confirm(outcome: asyncio.Future[None], done: asyncio.Future[Any]) -> None:
-    """Settle ``outcome`` with ``done``'s success (None) or error: the creator's reply."""
-    if outcome.done():
-        return
-    if done.cancelled():
-        outcome.cancel()
-    elif done.exception() is not None:
-        outcome.set_exception(done.exception())  # type: ignore[arg-type]
-    else:
-        outcome.set_result(None)
 
 
 def _settle_value(
@@ -463,13 +451,17 @@ def _settle_value(
     """The value is made (or failed): the creator's confirmation is settled first, so it
     leaves before any ``to_here`` reply (their completions run in that order), and the
     creator has its fork confirmed by the time it has the value."""
-    _confirm(outcome, made)
+    _copy_outcome(made, outcome, with_result=False)
     _copy_outcome(made, value)
     if value.done() and not value.cancelled():
         value.exception()  # retrieved: it is raised to whoever uses the RRef
 
 
-def _copy_outcome(source: asyncio.Future[Any], target: asyncio.Future[Any]) -> None:
+def _copy_outcome(
+    source: asyncio.Future[Any], target: asyncio.Future[Any], *, with_result: bool = True
+) -> None:
+    """Settle ``target`` as ``source`` ended, unless it is settled: cancelled, its error,
+    or its result (None without ``with_result``: a creation's reply to its creator)."""
     if target.done():
         return
     if source.cancelled():
@@ -477,7 +469,7 @@ def _copy_outcome(source: asyncio.Future[Any], target: asyncio.Future[Any]) -> N
     elif source.exception() is not None:
         target.set_exception(source.exception())  # type: ignore[arg-type]
     else:
-        target.set_result(source.result())
+        target.set_result(source.result() if with_result else None)
 
 
 @async_execution

@@ -55,7 +55,7 @@ async def settled(agents: tuple[RpcAgent, ...]) -> list[dict[str, int]]:
     while True:
         gc.collect()
         for context in contexts:
-            context._count_dropped()
+            context.count_dropped()
         await asyncio.gather(*(agent.notices_delivered() for agent in agents))
         flying = [f for context in contexts for f in context._in_flight]
         await asyncio.gather(*flying, return_exceptions=True)
@@ -196,7 +196,7 @@ async def test_thousands_of_rrefs_dropped_at_once_are_all_freed_and_calls_go_on(
     assert (await settled(trio))[1] == {"owner_rrefs": 6000, "user_rrefs": 0}
     del rrefs
     gc.collect()
-    context_for(a)._count_dropped()
+    context_for(a).count_dropped()
     assert await a.rpc_async("b", operator.add, (2, 3)) == 5  # carrying what fits
     assert await settled(trio) == [ZERO] * 3
     assert "dropped" not in caplog.text
