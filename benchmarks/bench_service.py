@@ -43,12 +43,12 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -81,12 +81,6 @@ class Point:
     p99_ms: float = 0.0
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def forward_cost(depth: int) -> dict[str, float]:
     """Milliseconds of one forward pass of the service's MLP over 1 and over 64 rows."""
     import torch
@@ -107,24 +101,29 @@ def forward_cost(depth: int) -> dict[str, float]:
 
 
 class RunningService:
-    """The service as a subprocess (``--serve``), on a port of its own."""
+    """The service as a subprocess (``--serve``), on a port it binds itself.
+
+    It binds any free port (``--port 0``) and says which on its first stdout line
+    (``SERVING <url>``): a port chosen here and handed over would be free only
+    until the service's own processes opened connections, any of which may take it.
+    """
 
     def __init__(self, args: argparse.Namespace, batched: bool) -> None:
-        self.port = free_port()
         command = [
-            *(sys.executable, str(SERVICE), "--serve", "--port", str(self.port)),
+            *(sys.executable, str(SERVICE), "--serve", "--port", "0"),
             *("--models", str(args.models), "--depth", str(args.depth)),
             *(() if batched else ("--no-batch",)),
             *(() if args.max_wait is None else ("--max-wait", str(args.max_wait))),
         ]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-        self.proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
+        self.url = ""
         self.models = args.models
 
     async def ready(self, session: aiohttp.ClientSession) -> None:
         """Wait (at most STARTUP_S) until /health says every model worker is live."""
         deadline = time.monotonic() + STARTUP_S
+        self.url = await asyncio.wait_for(self._served_url(), STARTUP_S)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the service exited {self.proc.returncode} at startup")
@@ -136,6 +135,17 @@ class RunningService:
                 pass  # not listening yet
             await asyncio.sleep(0.2)
         raise RuntimeError(f"the service was not ready within {STARTUP_S:.0f} s")
+
+    async def _served_url(self) -> str:
+        """The URL of the service's ``SERVING`` line; the rest of its stdout is discarded."""
+        stdout = self.proc.stdout
+        assert stdout is not None
+        while line := await asyncio.to_thread(stdout.readline):  # off the loop
+            if line.startswith("SERVING "):
+                threading.Thread(target=deque, args=(stdout, 0), daemon=True).start()
+                return line.split()[1]
+        returncode = await asyncio.to_thread(self.proc.wait, STOP_S)
+        raise RuntimeError(f"the service exited {returncode} at startup")
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL if it has not exited within STOP_S."""
