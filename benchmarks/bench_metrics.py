@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from typing import Any
 import uvloop
 
 import asyncrpc  # (its counters read ASYNCRPC_METRICS when a worker's agent is made)
+from asyncrpc.rendezvous import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULT = "BENCH-METRICS "
@@ -88,12 +88,6 @@ async def worker(rank: int, port: int, calls: int) -> None:
     if rank == 0:
         print(RESULT + json.dumps(await measure(calls)), flush=True)
     await asyncrpc.shutdown()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_pair(metrics_on: bool, calls: int) -> dict[str, float]:

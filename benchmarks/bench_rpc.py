@@ -152,7 +152,6 @@ import math
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -184,6 +183,8 @@ from _common import (  # noqa: E402
 )
 from _floor_worker import WORKLOADS as FLOOR_WORKLOADS  # noqa: E402
 from _veth import Namespace, VethUnavailableError, veth_pair, wrap  # noqa: E402
+
+from asyncrpc.rendezvous import free_port  # noqa: E402
 
 SIDES = ("torch", "asyncrpc", "floor")
 """Who runs each job: both frameworks, then the floor (a skeleton Python RPC), which
@@ -255,12 +256,6 @@ def schedule(cfg: Config, workloads: Sequence[str], rounds: int, largest: int) -
 
 
 # -- running one job ------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # One intra-op thread per worker process, for both frameworks: what torchrun sets for

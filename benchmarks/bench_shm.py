@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ import torch
 import uvloop
 
 import asyncrpc
+from asyncrpc.rendezvous import free_port
 from asyncrpc.transport import shm
 
 MB = 1 << 20
@@ -162,12 +162,6 @@ async def main(rank: int, port: int, args: argparse.Namespace) -> None:
             print(json.dumps(await drive(args)), flush=True)
     finally:
         await asyncrpc.shutdown()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def parse() -> argparse.Namespace:

@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from asyncrpc.rendezvous import free_port
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_soak_worker.py"
@@ -69,12 +70,6 @@ REQUIRED_KINDS = (
     "optimizer_step",
 )
 """Calls every worker must have made: a stream that made none was stuck."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from collections.abc import Awaitable, Callable
 import torch
 
 import asyncrpc
+from asyncrpc.rendezvous import free_port
 
 Worker = Callable[[int, int, argparse.Namespace], Awaitable[None]]
 
@@ -59,12 +59,6 @@ def run_one(worker: Worker, rank: int, world: int, args: argparse.Namespace) -> 
     torch.manual_seed(getattr(args, "seed", 0) * 1000 + rank)
     torch.set_num_threads(1)
     uvloop.run(worker(rank, world, args))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def spawn_all(world: int, timeout: float) -> int:

@@ -70,6 +70,7 @@ from torch import Tensor, nn
 
 import asyncrpc
 from asyncrpc.functions import batch
+from asyncrpc.rendezvous import free_port
 from asyncrpc.serving import Replicas
 
 FEATURES, HIDDEN, CLASSES = 16, 64, 4
@@ -225,15 +226,6 @@ def model_argv(args: argparse.Namespace) -> list[str]:
         *("--max-queue", str(args.max_queue)),
         *(("--smoke",) if args.smoke else ()),
     ]
-
-
-def free_port() -> int:
-    """A free TCP port on loopback (for the job's rendezvous store)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --- the HTTP front end ---------------------------------------------------------------------

@@ -11,21 +11,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncrpc.rendezvous import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULT_PREFIX = "SCENARIO-RESULT "
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -32,6 +32,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import os
+import random
 import secrets
 import socket
 import time
@@ -49,6 +50,8 @@ Store = Any
 
 PREFIX = "asyncrpc"
 SECRET_ENV = "ASYNCRPC_SECRET"
+EPHEMERAL_PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
+LOWEST_STORE_PORT = 10000
 
 
 def create_store(init_method: str, rank: int, world_size: int, timeout: float) -> Store:
@@ -225,6 +228,38 @@ def _listening_socket(host: str, port: int) -> socket.socket | None:
             f"rank 0 cannot host the rendezvous store on {host}:{port}: {exc}"
         ) from exc
     return sock
+
+
+def free_port(host: str = "127.0.0.1", tries: int = 100) -> int:
+    """A TCP port on ``host`` that is free now, to host a job's store (``MASTER_PORT``).
+
+    Where the kernel says which ports it hands out by itself (Linux), the port is drawn
+    from below that range, so that nothing the job's own processes do before rank 0
+    binds it -- a listener on port 0, an outgoing connection -- can take it.  Elsewhere,
+    or if ``tries`` draws are all taken, the kernel picks one.
+    """
+    ephemeral_low = _ephemeral_low()
+    draw = random.SystemRandom()  # not the seeded module generator: jobs started together differ
+    for _ in range(tries if ephemeral_low > LOWEST_STORE_PORT else 0):
+        port = draw.randrange(LOWEST_STORE_PORT, ephemeral_low)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out by itself (0 where it does not say)."""
+    try:
+        with open(EPHEMERAL_PORTS, encoding="ascii") as ports:
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def listen_host_for(init_method: str, store: Store | None = None) -> str:

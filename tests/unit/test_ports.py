@@ -1,11 +1,16 @@
 """The tcp port a worker listens on: ``listen_port`` or ``ASYNCRPC_LISTEN_PORT``, plus
-torchrun's ``LOCAL_RANK``; bad values are refused naming the variable."""
+torchrun's ``LOCAL_RANK``; bad values are refused naming the variable.  And the port a
+job's store is given (``free_port``)."""
 
 from __future__ import annotations
+
+import socket
+from pathlib import Path
 
 import pytest
 
 from asyncrpc.api import _int_from_env, _listen_port, _tcp_stripes
+from asyncrpc.rendezvous import free_port, store
 
 
 def test_any_free_port_unless_one_is_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -48,3 +53,34 @@ def test_tcp_stripes_come_from_the_argument_then_the_environment(
     monkeypatch.setenv("ASYNCRPC_TCP_STRIPES", "two")
     with pytest.raises(ValueError, match="ASYNCRPC_TCP_STRIPES"):
         _tcp_stripes(None)
+
+
+def test_a_store_port_is_free_and_below_the_ports_the_kernel_hands_out() -> None:
+    low = store._ephemeral_low()
+    for _ in range(20):
+        port = free_port()
+        assert store.LOWEST_STORE_PORT <= port < low  # no bind(0) nor connect() can take it
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_where_the_kernel_does_not_say_its_range_it_picks_the_port(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(store, "EPHEMERAL_PORTS", str(tmp_path / "missing"))
+    assert store._ephemeral_low() == 0
+    port = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+def test_when_every_draw_is_taken_the_kernel_picks_the_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        only = taken.getsockname()[1]
+        monkeypatch.setattr(store, "LOWEST_STORE_PORT", only)
+        monkeypatch.setattr(store, "_ephemeral_low", lambda: only + 1)  # one port to draw
+        port = free_port(tries=3)
+    assert port != only
