@@ -41,7 +41,7 @@ import torch
 
 from asyncrpc.errors import SerializationError
 from asyncrpc.serde.arrays import load_ndarray
-from asyncrpc.serde.pickler import _PLAIN_TYPES, _REDUCERS
+from asyncrpc.serde.pickler import _PLAIN_TYPES, _REDUCERS, ReusablePickler
 from asyncrpc.serde.tensors import TensorMeta, dump_array, dump_tensor, load_tensor
 
 Entry = tuple[str, str, tuple[int, ...], tuple[int, ...]]
@@ -115,15 +115,12 @@ pickler at both ends."""
 _KINDS: Final = {torch.Tensor: "t", np.ndarray: "a"}
 
 
-class _Reusable:
-    """One lean pickler and stream per thread, reset after each dump.  ``busy`` guards
-    against re-entry (an object whose ``__reduce__`` serialises: a pickler dumping again
-    while it dumps crashes the interpreter), as ``serde.pickler``'s does."""
+class _Reusable(ReusablePickler):
+    """The lean pickler of a thread (see ``ReusablePickler``), reset after each dump."""
 
     def __init__(self) -> None:
-        self.stream = io.BytesIO()
+        super().__init__()
         self.pickler = _LeanPickler(self.stream)
-        self.busy = False
 
     def dump(self, value: Any) -> tuple[bytes, list[Entry], list[memoryview]] | None:
         pickler = self.pickler
@@ -135,9 +132,7 @@ class _Reusable:
             return None
         finally:
             pickler.reset()
-            self.stream.seek(0)
-            self.stream.truncate()
-            self.busy = False
+            self.rewind()
 
 
 def dumps_lean(value: Any) -> tuple[bytes, list[Entry], list[memoryview]] | None:
@@ -154,12 +149,7 @@ def dumps_lean(value: Any) -> tuple[bytes, list[Entry], list[memoryview]] | None
         return _FIRST, [entry], [view]
     if _for_a_reducer(value, 0):
         return None
-    reusable: _Reusable | None = getattr(_local, "lean", None)
-    if reusable is None:
-        reusable = _local.lean = _Reusable()
-    if reusable.busy:
-        reusable = _Reusable()
-    return reusable.dump(value)
+    return _Reusable.of_this_thread(_local).dump(value)
 
 
 def _for_a_reducer(value: Any, depth: int) -> bool:

@@ -42,7 +42,7 @@ import reprlib
 import threading
 from collections.abc import Callable, Sequence
 from types import FunctionType
-from typing import Any, Final
+from typing import Any, Final, Self
 
 import numpy as np
 import torch
@@ -168,21 +168,44 @@ class _Pickler(pickle.Pickler):
         return reduce_tensor(obj)
 
 
-class _Reusable:
-    """One pickler and stream per thread (building them costs more than pickling a small
-    call).  Everything is reset *after* each dump: a pickler's memo holds strong
-    references to what it pickled, which must not outlive the call.  No reference
-    cycle either (the callback is a partial over plain containers), so nothing here
-    waits for the cyclic GC.  ``busy`` guards against re-entry (a reducer that
-    serialises); the views registered by :func:`_out_of_band` are this dump's own."""
+class ReusablePickler:
+    """A pickler's stream, kept per thread and rewound after each dump (building a
+    pickler and its stream costs more than pickling a small call); ``busy`` guards
+    against re-entry (an object whose ``__reduce__`` serialises: a pickler dumping again
+    while it dumps crashes the interpreter).  Subclasses add their pickler."""
 
     def __init__(self) -> None:
         self.stream = io.BytesIO()
+        self.busy = False
+
+    @classmethod
+    def of_this_thread(cls, local: threading.local) -> Self:
+        """The one kept in ``local``, or a fresh one while that one is dumping."""
+        found: Self | None = getattr(local, "reusable", None)
+        if found is None:
+            found = local.reusable = cls()
+        return cls() if found.busy else found
+
+    def rewind(self) -> None:
+        """Ready for the next dump."""
+        self.stream.seek(0)
+        self.stream.truncate()
+        self.busy = False
+
+
+class _Reusable(ReusablePickler):
+    """``dumps``' pickler.  Everything is reset *after* each dump: a pickler's memo holds
+    strong references to what it pickled, which must not outlive the call.  No reference
+    cycle either (the callback is a partial over plain containers), so nothing here
+    waits for the cyclic GC.  The views registered by :func:`_out_of_band` are this
+    dump's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
         self.views: dict[int, tuple[memoryview, bool]] = {}
         self.buffers: list[memoryview] = []
         collect = functools.partial(_collect, self.views, self.buffers)
         self.pickler = _Pickler(self.stream, protocol=5, buffer_callback=collect)
-        self.busy = False
 
     def dump(self, value: Any) -> tuple[bytes, list[memoryview]]:
         self.busy = True
@@ -195,9 +218,7 @@ class _Reusable:
             self.pickler.clear_memo()
             self.views.clear()
             self.buffers.clear()
-            self.stream.seek(0)
-            self.stream.truncate()
-            self.busy = False
+            self.rewind()
 
 
 def dumps_plain(value: Any) -> bytes | None:
@@ -248,13 +269,8 @@ def _plain(value: Any, depth: int) -> bool:
 
 def dumps(value: Any) -> tuple[bytes, list[memoryview]]:
     """Serialise ``value``; returns the pickle payload and the out-of-band buffers."""
-    reusable: _Reusable | None = getattr(_local, "pickler", None)
-    if reusable is None:
-        reusable = _local.pickler = _Reusable()
-    if reusable.busy:
-        reusable = _Reusable()
     try:
-        payload, buffers = reusable.dump(value)
+        payload, buffers = _Reusable.of_this_thread(_local).dump(value)
     except AsyncRPCError:
         raise  # a reducer's own error (an RRef that cannot travel, say) says it best
     except Exception as exc:

@@ -193,3 +193,18 @@ def test_more_tensors_than_a_header_has_room_for_are_left_to_dumps() -> None:
     most = [torch.full((2,), float(i)) for i in range(ENTRIES_MAX)]
     assert dumps_lean(most) is not None
     assert dumps_lean([*most, np.zeros(2)]) is None
+
+
+class _PickledWhilePickling:
+    """An object whose reduction serialises a value of its own, as a lean message."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        inner = round_trip(("inner", torch.arange(3.0)))
+        return (tuple, ((inner[0], inner[1].tolist()),))
+
+
+def test_a_lean_dump_inside_a_lean_dump_gets_a_pickler_of_its_own() -> None:
+    outer = round_trip(["outer", _PickledWhilePickling(), torch.ones(2)])
+    assert outer[0] == "outer" and outer[1] == ("inner", [0.0, 1.0, 2.0])
+    assert_same_tensor(outer[2], torch.ones(2))
+    assert_same_tensor(round_trip(torch.zeros(4)), torch.zeros(4))  # the thread's, reset
