@@ -238,17 +238,18 @@ def free_port(host: str = "127.0.0.1", tries: int = 100) -> int:
     binds it -- a listener on port 0, an outgoing connection -- can take it.  Elsewhere,
     or if ``tries`` draws are all taken, the kernel picks one.
     """
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
     ephemeral_low = _ephemeral_low()
     draw = random.SystemRandom()  # not the seeded module generator: jobs started together differ
     for _ in range(tries if ephemeral_low > LOWEST_STORE_PORT else 0):
         port = draw.randrange(LOWEST_STORE_PORT, ephemeral_low)
-        with socket.socket() as sock:
+        with socket.socket(family) as sock:
             try:
                 sock.bind((host, port))
             except OSError:
                 continue
             return port
-    with socket.socket() as sock:
+    with socket.socket(family) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
 

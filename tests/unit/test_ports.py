@@ -84,3 +84,13 @@ def test_when_every_draw_is_taken_the_kernel_picks_the_port(
         monkeypatch.setattr(store, "_ephemeral_low", lambda: only + 1)  # one port to draw
         port = free_port(tries=3)
     assert port != only
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 in this Python")
+def test_a_store_port_on_an_ipv6_host() -> None:
+    try:
+        port = free_port("::1")
+    except OSError as exc:  # a host without an IPv6 loopback
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    with socket.socket(socket.AF_INET6) as sock:
+        sock.bind(("::1", port))
