@@ -22,7 +22,6 @@ from _common import (
     Results,
     WorkerArgs,
     check_echo,
-    check_trained,
     check_value,
     config,
     make_batch,
@@ -35,6 +34,7 @@ from _common import (
     sequential_us,
     size_label,
     summary,
+    trained_step_us,
     write_results,
 )
 from torch.nn.functional import cross_entropy
@@ -92,10 +92,7 @@ async def model_parallel_step_us(cfg: Config) -> Results:
             await opt.step(ctx)
         return loss.detach()
 
-    first = await step()
-    result = await sequential_us(cfg, step, cfg.step_counts)
-    check_trained(first, await step())
-    return result
+    return await trained_step_us(cfg, step)
 
 
 async def run_window(window: int, calls: int) -> tuple[int, int]:

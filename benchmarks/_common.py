@@ -360,3 +360,12 @@ async def sequential_us(
             await once()
         per_call.append(ns_to_us(time.perf_counter_ns() - start, per_batch))
     return summary(per_call)
+
+
+async def trained_step_us(cfg: Config, step: Callable[[], Awaitable[torch.Tensor]]) -> Results:
+    """``sequential_us`` of a model-parallel step (``cfg.step_counts``), checking that the
+    steps lowered the loss (``step()`` returns it)."""
+    first = await step()
+    result = await sequential_us(cfg, step, cfg.step_counts)
+    check_trained(first, await step())
+    return result

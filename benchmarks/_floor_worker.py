@@ -41,7 +41,6 @@ from _common import (
     Config,
     Results,
     WorkerArgs,
-    check_trained,
     config,
     make_batch,
     make_stage1,
@@ -51,6 +50,7 @@ from _common import (
     pin_to,
     sequential_us,
     summary,
+    trained_step_us,
     write_results,
 )
 from _remote_fns import Stage2
@@ -243,14 +243,6 @@ def remote_step(caller: SkeletonClient) -> Callable[[], Awaitable[torch.Tensor]]
         return loss.detach()
 
     return step
-
-
-async def trained_step_us(cfg: Config, step: Callable[[], Awaitable[torch.Tensor]]) -> Results:
-    """``sequential_us`` of a model-parallel step, checking that it trains."""
-    first = await step()
-    result = await sequential_us(cfg, step, cfg.step_counts)
-    check_trained(first, await step())
-    return result
 
 
 async def calls(cfg: Config, job: WorkerArgs) -> Results:
