@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
 
 from asyncrpc.agent import AgentOptions, RpcAgent
 
@@ -26,3 +28,26 @@ async def joined_agents(
     finally:
         for agent in agents:
             await agent.shutdown(graceful=False)
+
+
+@dataclass
+class Sent:
+    """The frames an agent sent a peer: their kinds and (copies of) their headers' meta."""
+
+    kinds: list[int] = field(default_factory=list)
+    metas: list[dict[str, Any]] = field(default_factory=list)
+
+
+def watch_sends(agent: RpcAgent, peer: str) -> Sent:
+    """Record every frame ``agent`` sends ``peer`` on its link from now on."""
+    sent = Sent()
+    link = agent._links[peer]
+    send = link.send
+
+    def recording(kind: int, meta: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        sent.kinds.append(kind)
+        sent.metas.append(dict(meta))
+        send(kind, meta, *args, **kwargs)
+
+    link.send = recording  # type: ignore[method-assign]
+    return sent

@@ -14,7 +14,7 @@ import pytest
 from asyncrpc.agent import AgentOptions, RpcAgent, on_loop, on_notice
 from asyncrpc.errors import HandshakeError, PeerLostError, RPCTimeoutError
 from asyncrpc.wire import Kind
-from tests.in_process import joined_agents
+from tests.in_process import joined_agents, watch_sends
 
 pytestmark = pytest.mark.timeout(30)
 seen: list[tuple[str, int, Any]] = []  # (agent, sender rank, value), in handling order
@@ -45,26 +45,12 @@ async def pair() -> AsyncIterator[tuple[RpcAgent, RpcAgent]]:
         yield agents[0], agents[1]
 
 
-def count_frames(agent: RpcAgent, peer: str) -> list[int]:
-    """Record the kind of every frame ``agent`` sends ``peer`` from now on."""
-    kinds: list[int] = []
-    link = agent._links[peer]
-    send = link.send
-
-    def counting(kind: int, *args: Any, **kwargs: Any) -> None:
-        kinds.append(kind)
-        send(kind, *args, **kwargs)
-
-    link.send = counting  # type: ignore[method-assign]
-    return kinds
-
-
 async def test_a_notice_rides_on_the_next_request_in_order(
     pair: tuple[RpcAgent, RpcAgent],
 ) -> None:
     a, _ = pair
     await a.rpc_async("b", record_call, ("dial",))
-    kinds = count_frames(a, "b")
+    kinds = watch_sends(a, "b").kinds
     a.notify("b", "test.record", 1)
     a.notify("b", "test.record", 2)
     await a.rpc_async("b", record_call, ("after",))
@@ -80,7 +66,7 @@ async def test_more_notices_than_a_header_holds_leave_ahead_of_the_request_in_or
     frames just ahead of the next request, every one handled, in order, before it."""
     a, _ = pair
     await a.rpc_async("b", record_call, ("dial",))
-    kinds = count_frames(a, "b")
+    kinds = watch_sends(a, "b").kinds
     for i in range(10_000):
         a.notify("b", "test.record", f"notice {i:05}")
     await a.rpc_async("b", record_call, ("after",))
@@ -114,7 +100,7 @@ async def test_a_notice_alone_leaves_in_a_frame_of_its_own(
     a.notify("b", "test.record", "alone")  # no link yet: it dials
     await a.notices_delivered()
     assert seen == [("b", 0, "alone")]
-    kinds = count_frames(a, "b")
+    kinds = watch_sends(a, "b").kinds
     a.notify(1, "test.record", "again")  # by rank
     assert a.debug_info()["queued_notices"] == 1
     await a.notices_delivered()
@@ -163,7 +149,7 @@ async def test_notices_queued_as_shutdown_starts_leave_before_its_announcement(
     a, b = pair
     await a.rpc_async("b", record_call, ("dial",))
     b_leaves = asyncio.ensure_future(b.shutdown())
-    kinds = count_frames(a, "b")
+    kinds = watch_sends(a, "b").kinds
     a.notify("b", "test.record", "last words")
     await a.shutdown()
     await b_leaves

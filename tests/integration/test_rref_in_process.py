@@ -23,7 +23,7 @@ from asyncrpc import RemoteError, RPCTimeoutError, RRef, RRefError, Serializatio
 from asyncrpc.agent import AgentOptions, RpcAgent, async_execution, set_default_agent
 from asyncrpc.rref import context_for
 from asyncrpc.wire import Kind
-from tests.in_process import joined_agents
+from tests.in_process import joined_agents, watch_sends
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -165,20 +165,12 @@ async def test_the_deletion_of_a_dropped_rref_rides_on_the_next_remote(
     for i in range(3):
         assert await remote("b", operator.add, (i, 1)).to_here() == i + 1
     await settled(trio)
-    link = a._links["b"]
-    sent: list[tuple[int, dict[str, Any]]] = []
-    send = link.send
-
-    def recording(kind: int, meta: dict[str, Any], *args: Any, **kwargs: Any) -> None:
-        sent.append((kind, dict(meta)))
-        send(kind, meta, *args, **kwargs)
-
-    link.send = recording  # type: ignore[method-assign]
+    sent = watch_sends(a, "b")
     for i in range(3):
         assert await remote("b", operator.add, (i, 1)).to_here() == i + 1
-    kinds = [kind for kind, _ in sent]
+    kinds = sent.kinds
     assert kinds == [Kind.REQUEST] * 6, kinds  # no NOTICE frame
-    deletions = [meta.get("n") for _, meta in sent if meta.get("f", "").startswith("remote(")]
+    deletions = [meta.get("n") for meta in sent.metas if meta.get("f", "").startswith("remote(")]
     assert deletions[0] is None and all(d and d[0][0] == "rref.fork_deleted" for d in deletions[1:])
     assert await settled(trio) == [ZERO] * 3
 
