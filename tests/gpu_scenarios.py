@@ -25,6 +25,7 @@ from asyncrpc import autograd
 from asyncrpc.functions import batch
 from asyncrpc.nn import RemoteModule
 from asyncrpc.optim import DistributedOptimizer
+from asyncrpc.serde import cuda
 from tests.scenarios import Config, echo
 
 ECHO_BYTES = (1 << 10, 4 << 20, 64 << 20)
@@ -73,6 +74,25 @@ async def cuda_calls(cfg: Config) -> dict[str, Any]:
     seen["paths"] = [asyncrpc.get_debug_info()["cuda"], await asyncrpc.rpc_async("w1", cuda_stats)]
     await asyncrpc.shutdown()
     return seen
+
+
+async def echo_on_the_loop(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+async def exit_right_after_echoes(cfg: Config) -> dict[str, int]:
+    """The caller's last calls echo a CUDA tensor by CUDA IPC, and both workers leave at
+    once: the callee sent back memory it received (which carries a stream use) while
+    the caller still keeps it open.  Returns each worker's CUDA counters at the end."""
+    maps = {"w1": {"cuda:0": "cuda:0"}} if cfg.rank == 0 else {}
+    await cfg.join(rpc_timeout=60, device_maps=maps)
+    if cfg.rank == 0:
+        x = torch.randn(1024, device="cuda")
+        for function in (echo, echo_on_the_loop):
+            if not torch.equal(await asyncrpc.rpc_async("w1", function, (x,)), x):
+                raise AssertionError(f"the echo by {function.__name__} differs")
+    await asyncrpc.shutdown()
+    return cuda.stats()
 
 
 async def _echoes() -> list[bool]:

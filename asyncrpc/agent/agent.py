@@ -75,6 +75,7 @@ Lower layers stay ignorant of them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import itertools
@@ -438,11 +439,25 @@ class RpcAgent:
         await self._barrier(1)  # a peer that dies is skipped
 
     async def _depart(self) -> None:
-        """Extensions release what peers share; then all meet again and may close."""
+        """Extensions release what peers share, and we let go of the CUDA memory peers
+        shared; then all meet again and may close (and free what they let go of)."""
         for extension in list(self._extensions.values()):
             await extension.drain()
         await self._calls_ended()
+        await self._let_go_of_peers_memory()
         await self._barrier(2)
+
+    async def _let_go_of_peers_memory(self) -> None:
+        """Until the peers' memory kept open here by CUDA IPC is let go, so that each
+        peer frees what it sent before it exits (see ``serde.cuda.let_go_of_peers``)."""
+        released = self._loop.create_future()
+
+        def wake() -> None:  # (in the releaser thread)
+            with contextlib.suppress(RuntimeError):  # the loop has closed meanwhile
+                self._loop.call_soon_threadsafe(_set_once, released)
+
+        if cuda.let_go_of_peers(wake):
+            await released
 
     async def _calls_ended(self) -> None:
         """Until no call of ours is pending."""
@@ -539,6 +554,7 @@ class RpcAgent:
         if self._segments is not None:
             self._segments.close()
         self._storage.close()
+        cuda.collect_released()  # (peers let go of it before the last barrier)
         self.state = Lifecycle.CLOSED
 
     # -- outgoing calls ------------------------------------------------------------
@@ -1183,3 +1199,8 @@ def set_default_agent(agent: RpcAgent | None) -> None:
     """Make ``agent`` what :func:`current_agent` returns outside of calls."""
     global _default
     _default = agent
+
+
+def _set_once(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

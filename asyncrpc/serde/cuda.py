@@ -34,9 +34,11 @@ let go by a releaser thread once the copy is done (torch's release synchronises 
 stream current in the releasing thread, which must not be the loop's).  The
 releaser keeps the latest small storage of each peer segment open for a moment
 (:class:`KeptMappings`), so that the next tensor from that segment is opened
-without mapping it again.  Code that runs
-on the received tensors on the current stream is ordered after the data, with no
-device-wide synchronisation; code on another stream orders itself, as in torch.
+without mapping it again; a worker leaving the job lets go of all of it
+(:func:`let_go_of_peers`), and then frees what its peers let go of
+(:func:`collect_released`).  Code that runs on the received tensors on the
+current stream is ordered after the data, with no device-wide synchronisation;
+code on another stream orders itself, as in torch.
 
 Sends, receives and IPC copies use separate streams (one of each per device): a
 copy from pageable host memory waits for its stream's earlier work, which must
@@ -47,6 +49,7 @@ counts tensors and bytes by path, for ``get_debug_info()["cuda"]``.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -60,6 +63,7 @@ import torch
 from asyncrpc.errors import SerializationError
 from asyncrpc.serde.devices import CudaRoute
 
+log = logging.getLogger("asyncrpc.cuda")
 Shared = tuple[Any, ...]  # what load_shared needs: the GPU, torch's IPC tuple, the span
 
 _streams: dict[tuple[int, str], torch.cuda.Stream] = {}
@@ -338,6 +342,10 @@ class KeptMappings:
         stale = [key for key, (since, _, _) in self._kept.items() if now - since >= self.keep_for]
         return [self._drop(key) for key in stale]
 
+    def let_go_of_all(self) -> list[Any]:
+        """Everything kept, to let go now (see :func:`let_go_of_peers`)."""
+        return [self._drop(key) for key in list(self._kept)]
+
     def _drop(self, key: Hashable) -> Any:
         _, nbytes, item = self._kept.pop(key)
         self.kept_bytes -= nbytes
@@ -346,12 +354,37 @@ class KeptMappings:
 
 _kept = KeptMappings()  # the releaser thread's
 
-# (copy done, what to let go, the stream to release it on, its segment, its size)
+# (copy done, what to let go, the stream to release it on, its segment, its size), or
+# what to call once everything kept and queued before it was let go (let_go_of_peers)
 Release = tuple[Any, list[Any], torch.cuda.Stream, Hashable | None, int]
-_release_queue: queue.SimpleQueue[Release] | None = None
+_release_queue: queue.SimpleQueue[Release | Callable[[], None]] | None = None
 
 
-def _releaser() -> queue.SimpleQueue[Release]:
+def let_go_of_peers(then: Callable[[], None]) -> bool:
+    """Let go of every peer storage this worker holds open: the releaser thread does,
+    after the copies queued before, and then calls ``then``.  False, and ``then`` is
+    never called, where there is nothing to let go (no peer ever shared any here).
+
+    A worker leaving the job calls it before its last barrier, and
+    :func:`collect_released` after it.  torch keeps the memory a worker sent by CUDA
+    IPC until every receiver let it go; what it still keeps when the process exits is
+    freed while the CUDA runtime unloads, and where that memory holds a received
+    tensor (which carries a stream use) torch cannot record the stream's event then,
+    and aborts the process (``cudaErrorCudartUnloading`` in the caching allocator)."""
+    if _release_queue is None:
+        return False
+    _release_queue.put(then)
+    return True
+
+
+def collect_released() -> None:
+    """Free the memory this worker sent by CUDA IPC that every receiver has let go
+    (``torch.cuda.ipc_collect``); nothing in a worker that never sent any."""
+    if _counts["sent_ipc_tensors"]:
+        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+
+
+def _releaser() -> queue.SimpleQueue[Release | Callable[[], None]]:
     """The queue of a daemon thread that lets peers' memory go once copied."""
     global _release_queue
     with _lock:
@@ -366,18 +399,44 @@ def _releaser() -> queue.SimpleQueue[Release]:
     return _release_queue
 
 
-def _release_forever(jobs: queue.SimpleQueue[Release], kept: KeptMappings) -> None:
+def _release_forever(
+    jobs: queue.SimpleQueue[Release | Callable[[], None]], kept: KeptMappings
+) -> None:
     """Let peers' storages go once their copies are done.  torch's release of a storage
     synchronises the stream current in the releasing thread, with the GIL held: made
-    current here is the idle release stream, never one that may wait on a peer."""
+    current here is the idle release stream, never one that may wait on a peer.  An
+    error (a CUDA one, say) is logged and ends that job only: the thread goes on."""
     while True:
         try:
-            done, held, stream, segment, nbytes = jobs.get(timeout=kept.keep_for)
+            job: Release | Callable[[], None] | None = jobs.get(timeout=kept.keep_for)
         except queue.Empty:
-            gone = kept.expired(time.monotonic())
-        else:
-            done.synchronize()
-            gone = kept.keep(segment, (held, stream), nbytes, time.monotonic())
-        for let_go, on_stream in gone:
+            job = None
+        try:
+            _release(job, kept)
+        except Exception:
+            log.exception("letting go of a peer's CUDA memory failed")
+
+
+def _release(job: Release | Callable[[], None] | None, kept: KeptMappings) -> None:
+    """One job of the releaser: a copy done (``Release``), everything (a callable, from
+    :func:`let_go_of_peers`, called in the end whatever happens) or what expired (None)."""
+    if job is None:
+        _let_go(kept.expired(time.monotonic()))
+    elif not isinstance(job, tuple):
+        try:
+            _let_go(kept.let_go_of_all())
+        finally:
+            job()
+    else:
+        done, held, stream, segment, nbytes = job
+        done.synchronize()
+        _let_go(kept.keep(segment, (held, stream), nbytes, time.monotonic()))
+
+
+def _let_go(gone: list[Any]) -> None:
+    for held, on_stream in gone:
+        try:
             with torch.cuda.stream(on_stream):
-                let_go.clear()
+                held.clear()
+        except Exception:  # (the others still go)
+            log.exception("letting go of a peer's CUDA memory failed")

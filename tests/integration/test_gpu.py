@@ -68,3 +68,17 @@ def test_bad_device_maps_and_unmapped_tensors_are_refused_with_clear_errors() ->
     message = seen[0]["unmapped"]
     assert "cuda:0" in message and "'w1'" in message and "device_maps" in message, message
     assert "call to tests.scenarios.echo" in message, message
+
+
+@needs_cuda
+def test_workers_exit_cleanly_when_peers_held_their_cuda_memory_until_shutdown() -> None:
+    """torch frees at exit what a worker sent by CUDA IPC and a peer still held; memory
+    a received tensor was copied into then aborts the process (cudaErrorCudartUnloading).
+    Shutdown lets go of peers' memory before its last barrier, and frees what was let
+    go after it: both exit 0 (run_job checks), with no warning from torch."""
+    workers = run_job("gpu_scenarios.exit_right_after_echoes", timeout=120)
+    caller, callee = (w.result for w in workers)
+    assert caller["received_ipc_tensors"] == callee["sent_ipc_tensors"] == 2  # the case
+    assert caller["ipc_kept_bytes"] == callee["ipc_kept_bytes"] == 0  # all let go
+    for w in workers:
+        assert "terminated before all shared CUDA tensors released" not in w.stderr, w.stderr

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import queue
+import threading
+from typing import Any
+
 import pytest
 import torch
 
 from asyncrpc.errors import SerializationError
+from asyncrpc.serde import cuda
 from asyncrpc.serde.cuda import KeptMappings
 from asyncrpc.serde.devices import (
     WorkerDevices,
@@ -157,6 +162,70 @@ def test_the_latest_storage_of_each_peer_segment_stays_open_for_a_while() -> Non
     assert kept.keep("s4", "e", 10, 1.4) == ["d"]  # (stale ones go with any new one)
     assert kept.keep("s5", "f", 95, 1.5) == ["e"]  # at most max_bytes in all
     assert (len(kept), kept.kept_bytes) == (1, 95)
+
+
+class Copied:
+    """A CUDA copy's event that has fired (what the releaser waits for)."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_letting_go_of_peers_frees_every_kept_storage_after_the_copies_queued_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a worker leaving the job runs before its last barrier (see
+    test_gpu.test_workers_exit_cleanly_when_peers_held_their_cuda_memory_until_shutdown):
+    the releaser thread lets go of the storages it keeps and of those still queued, in
+    order, then says so.  Fakes stand for the copies' events and the release stream."""
+    monkeypatch.setattr(cuda, "_release_queue", None)
+    assert cuda.let_go_of_peers(lambda: None) is False  # no peer ever shared any memory
+
+    kept = KeptMappings(keep_for=60.0)
+    jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    # (it stays parked on this queue, as the worker's own does on its queue)
+    threading.Thread(target=cuda._release_forever, args=(jobs, kept), daemon=True).start()
+    held = [["storage a"], ["storage b"]]
+    jobs.put((Copied(), held[0], None, "segment a", 10))
+    jobs.put((Copied(), held[1], None, "segment b", 10))
+    monkeypatch.setattr(cuda, "_release_queue", jobs)
+    released = threading.Event()
+    assert cuda.let_go_of_peers(released.set) is True
+    assert released.wait(10)
+    assert held == [[], []]  # (each storage's last reference, dropped by the releaser)
+    assert (len(kept), kept.kept_bytes) == (0, 0)
+
+
+def test_a_failed_release_is_logged_and_the_releaser_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A job that fails (a CUDA error, say) must not end the thread: the jobs after it
+    still run, and a waiter of let_go_of_peers is woken even when letting go failed."""
+
+    class Failed:  # a copy's event whose wait fails
+        def synchronize(self) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    class Unreleasable:  # a kept storage whose release fails
+        def clear(self) -> None:
+            raise RuntimeError("CUDA error: invalid resource handle")
+
+    kept = KeptMappings(keep_for=60.0)
+    jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    threading.Thread(target=cuda._release_forever, args=(jobs, kept), daemon=True).start()
+    jobs.put((Failed(), ["storage a"], None, "segment a", 10))
+    jobs.put((Copied(), Unreleasable(), None, "segment b", 10))
+    released = threading.Event()
+    jobs.put(released.set)
+    assert released.wait(10)
+    held = ["storage c"]
+    jobs.put((Copied(), held, None, "segment c", 10))
+    again = threading.Event()
+    jobs.put(again.set)
+    assert again.wait(10)
+    assert held == []  # the thread still works
+    failures = [r.getMessage() for r in caplog.records if r.name == "asyncrpc.cuda"]
+    assert failures == ["letting go of a peer's CUDA memory failed"] * 2, failures
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a worker without CUDA")
