@@ -554,7 +554,8 @@ class RpcAgent:
         if self._segments is not None:
             self._segments.close()
         self._storage.close()
-        cuda.collect_released()  # (peers let go of it before the last barrier)
+        cuda.let_go_of_peers(_nothing)  # (a graceful shutdown did, and waited for it)
+        cuda.collect_released()  # (our peers let go of it before their last barrier)
         self.state = Lifecycle.CLOSED
 
     # -- outgoing calls ------------------------------------------------------------
@@ -1204,3 +1205,7 @@ def set_default_agent(agent: RpcAgent | None) -> None:
 def _set_once(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _nothing() -> None:
+    pass

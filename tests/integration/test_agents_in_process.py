@@ -7,6 +7,7 @@ import gc
 import operator
 import os
 import pickle
+import queue
 import socket
 import struct
 import threading
@@ -31,6 +32,7 @@ from asyncrpc.agent import (
 )
 from asyncrpc.agent.transfer import BY_NAME, PLAIN, TENSORS
 from asyncrpc.errors import LocalProtocolError, SerializationError
+from asyncrpc.serde import cuda
 from asyncrpc.transport import NETWORK, Link
 from asyncrpc.wire import Kind
 from tests.in_process import SECRET, joined_agents
@@ -319,6 +321,52 @@ async def test_shutdown_with_no_time_limit_waits_for_the_peer(
     assert not first.done()  # it waits for b, however long
     await asyncio.gather(first, b.shutdown(timeout=0))
     assert a.state == b.state == "closed"
+
+
+class _CopyInFlight:
+    """A CUDA copy's event, as the releaser thread waits for it: until ``done`` is set."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+    def synchronize(self) -> None:
+        self.done.wait()
+
+
+async def test_a_graceful_shutdown_waits_until_the_cuda_memory_peers_shared_is_let_go(
+    pair: tuple[RpcAgent, RpcAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Else a peer may abort as it exits (docs/cuda.md).  serde.cuda's releaser runs its
+    real loop over a queue of this test; fakes stand for a copy and a peer's storage."""
+    jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    kept = cuda.KeptMappings(keep_for=60.0)
+    monkeypatch.setattr(cuda, "_release_queue", jobs)
+    threading.Thread(target=cuda._release_forever, args=(jobs, kept), daemon=True).start()
+    copy, held = _CopyInFlight(), ["a peer's storage"]
+    jobs.put((copy, held, None, ("peer gpu", b"segment"), 10))  # queued before shutdown
+    asked = asyncio.Event()
+    let_go_of_peers = cuda.let_go_of_peers
+
+    def spy(then: Callable[[], None]) -> bool:
+        asked.set()
+        return let_go_of_peers(then)
+
+    monkeypatch.setattr(cuda, "let_go_of_peers", spy)
+    shutdowns = [asyncio.ensure_future(agent.shutdown()) for agent in pair]
+    await asked.wait()  # one worker is between its barriers...
+    assert not any(s.done() for s in shutdowns)  # ...and waits for the releaser
+    copy.done.set()
+    await asyncio.gather(*shutdowns)
+    assert held == [] and len(kept) == 0  # (its storage was kept, then let go)
+
+
+async def test_a_shutdown_without_the_barriers_lets_go_of_cuda_memory_too(
+    pair: tuple[RpcAgent, RpcAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[Callable[[], None]] = []
+    monkeypatch.setattr(cuda, "let_go_of_peers", lambda then: asked.append(then) or True)
+    await pair[0].shutdown(graceful=False)
+    assert len(asked) == 1  # (not waited for: the worker is leaving at once)
 
 
 async def test_a_worker_shut_down_lists_no_connected_peer(
