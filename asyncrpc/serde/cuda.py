@@ -379,9 +379,13 @@ def let_go_of_peers(then: Callable[[], None]) -> bool:
 
 def collect_released() -> None:
     """Free the memory this worker sent by CUDA IPC that every receiver has let go
-    (``torch.cuda.ipc_collect``); nothing in a worker that never sent any."""
+    (``torch.cuda.ipc_collect``); nothing in a worker that never sent any.  A CUDA
+    error is logged: a worker that is closing must still close."""
     if _counts["sent_ipc_tensors"]:
-        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+        try:
+            torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+        except RuntimeError:
+            log.exception("freeing the CUDA memory peers let go of failed")
 
 
 def _releaser() -> queue.SimpleQueue[Release | Callable[[], None]]:

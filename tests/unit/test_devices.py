@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -226,6 +227,29 @@ def test_a_failed_release_is_logged_and_the_releaser_goes_on(
     assert held == []  # the thread still works
     failures = [r.getMessage() for r in caplog.records if r.name == "asyncrpc.cuda"]
     assert failures == ["letting go of a peer's CUDA memory failed"] * 2, failures
+
+
+def test_only_a_worker_that_sent_by_cuda_ipc_collects_and_a_failure_is_only_logged(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A CPU worker never touches CUDA as it closes; a CUDA error there must not stop
+    the close."""
+    collected: list[bool] = []
+
+    def ipc_collect() -> None:
+        collected.append(True)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "ipc_collect", ipc_collect)
+    monkeypatch.setattr(cuda, "_counts", Counter())
+    cuda.collect_released()
+    assert collected == []  # never sent any: CUDA is left alone
+    monkeypatch.setattr(cuda, "_counts", Counter(sent_ipc_tensors=1))
+    cuda.collect_released()  # (does not raise)
+    assert collected == [True]
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncrpc.cuda"] == [
+        "freeing the CUDA memory peers let go of failed"
+    ]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a worker without CUDA")
