@@ -75,7 +75,6 @@ Lower layers stay ignorant of them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import functools
 import itertools
@@ -450,14 +449,9 @@ class RpcAgent:
     async def _let_go_of_peers_memory(self) -> None:
         """Until the peers' memory kept open here by CUDA IPC is let go, so that each
         peer frees what it sent before it exits (see ``serde.cuda.let_go_of_peers``)."""
-        released = self._loop.create_future()
-
-        def wake() -> None:  # (in the releaser thread)
-            with contextlib.suppress(RuntimeError):  # the loop has closed meanwhile
-                self._loop.call_soon_threadsafe(_set_once, released)
-
-        if cuda.let_go_of_peers(wake):
-            await released
+        released = cuda.let_go_of_peers()
+        if released is not None:
+            await asyncio.wrap_future(released)
 
     async def _calls_ended(self) -> None:
         """Until no call of ours is pending."""
@@ -554,7 +548,7 @@ class RpcAgent:
         if self._segments is not None:
             self._segments.close()
         self._storage.close()
-        cuda.let_go_of_peers(_nothing)  # (a graceful shutdown did, and waited for it)
+        cuda.let_go_of_peers()  # (a graceful shutdown did, and waited for it)
         cuda.collect_released()  # (our peers let go of it before their last barrier)
         self.state = Lifecycle.CLOSED
 
@@ -1200,12 +1194,3 @@ def set_default_agent(agent: RpcAgent | None) -> None:
     """Make ``agent`` what :func:`current_agent` returns outside of calls."""
     global _default
     _default = agent
-
-
-def _set_once(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-def _nothing() -> None:
-    pass

@@ -55,6 +55,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future
 from contextlib import ExitStack
 from typing import Any
 
@@ -355,15 +356,15 @@ class KeptMappings:
 _kept = KeptMappings()  # the releaser thread's
 
 # (copy done, what to let go, the stream to release it on, its segment, its size), or
-# what to call once everything kept and queued before it was let go (let_go_of_peers)
+# a future to settle once everything kept and queued before it was let go (let_go_of_peers)
 Release = tuple[Any, list[Any], torch.cuda.Stream, Hashable | None, int]
-_release_queue: queue.SimpleQueue[Release | Callable[[], None]] | None = None
+_release_queue: queue.SimpleQueue[Release | Future[None]] | None = None
 
 
-def let_go_of_peers(then: Callable[[], None]) -> bool:
+def let_go_of_peers() -> Future[None] | None:
     """Let go of every peer storage this worker holds open: the releaser thread does,
-    after the copies queued before, and then calls ``then``.  False, and ``then`` is
-    never called, where there is nothing to let go (no peer ever shared any here).
+    after the copies queued before; a future done once it has (None where there is
+    nothing to let go: no peer ever shared any here).
 
     A worker leaving the job calls it before its last barrier, and
     :func:`collect_released` after it.  torch keeps the memory a worker sent by CUDA
@@ -372,9 +373,10 @@ def let_go_of_peers(then: Callable[[], None]) -> bool:
     tensor (which carries a stream use) torch cannot record the stream's event then,
     and aborts the process (``cudaErrorCudartUnloading`` in the caching allocator)."""
     if _release_queue is None:
-        return False
-    _release_queue.put(then)
-    return True
+        return None
+    released: Future[None] = Future()
+    _release_queue.put(released)
+    return released
 
 
 def collect_released() -> None:
@@ -388,7 +390,7 @@ def collect_released() -> None:
             log.exception("freeing the CUDA memory peers let go of failed")
 
 
-def _releaser() -> queue.SimpleQueue[Release | Callable[[], None]]:
+def _releaser() -> queue.SimpleQueue[Release | Future[None]]:
     """The queue of a daemon thread that lets peers' memory go once copied."""
     global _release_queue
     with _lock:
@@ -403,16 +405,14 @@ def _releaser() -> queue.SimpleQueue[Release | Callable[[], None]]:
     return _release_queue
 
 
-def _release_forever(
-    jobs: queue.SimpleQueue[Release | Callable[[], None]], kept: KeptMappings
-) -> None:
+def _release_forever(jobs: queue.SimpleQueue[Release | Future[None]], kept: KeptMappings) -> None:
     """Let peers' storages go once their copies are done.  torch's release of a storage
     synchronises the stream current in the releasing thread, with the GIL held: made
     current here is the idle release stream, never one that may wait on a peer.  An
     error (a CUDA one, say) is logged and ends that job only: the thread goes on."""
     while True:
         try:
-            job: Release | Callable[[], None] | None = jobs.get(timeout=kept.keep_for)
+            job: Release | Future[None] | None = jobs.get(timeout=kept.keep_for)
         except queue.Empty:
             job = None
         try:
@@ -421,16 +421,19 @@ def _release_forever(
             log.exception("letting go of a peer's CUDA memory failed")
 
 
-def _release(job: Release | Callable[[], None] | None, kept: KeptMappings) -> None:
-    """One job of the releaser: a copy done (``Release``), everything (a callable, from
-    :func:`let_go_of_peers`, called in the end whatever happens) or what expired (None)."""
+def _release(job: Release | Future[None] | None, kept: KeptMappings) -> None:
+    """One job of the releaser: a copy done (``Release``), everything (a future, from
+    :func:`let_go_of_peers`, settled in the end whatever happens, unless its waiter
+    gave up) or what expired (None)."""
     if job is None:
         _let_go(kept.expired(time.monotonic()))
-    elif not isinstance(job, tuple):
+    elif isinstance(job, Future):
+        awaited = job.set_running_or_notify_cancel()
         try:
             _let_go(kept.let_go_of_all())
         finally:
-            job()
+            if awaited:
+                job.set_result(None)
     else:
         done, held, stream, segment, nbytes = job
         done.synchronize()

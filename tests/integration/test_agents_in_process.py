@@ -13,6 +13,7 @@ import struct
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
@@ -347,9 +348,9 @@ async def test_a_graceful_shutdown_waits_until_the_cuda_memory_peers_shared_is_l
     asked = asyncio.Event()
     let_go_of_peers = cuda.let_go_of_peers
 
-    def spy(then: Callable[[], None]) -> bool:
+    def spy() -> Future[None] | None:
         asked.set()
-        return let_go_of_peers(then)
+        return let_go_of_peers()
 
     monkeypatch.setattr(cuda, "let_go_of_peers", spy)
     shutdowns = [asyncio.ensure_future(agent.shutdown()) for agent in pair]
@@ -363,10 +364,15 @@ async def test_a_graceful_shutdown_waits_until_the_cuda_memory_peers_shared_is_l
 async def test_a_shutdown_without_the_barriers_lets_go_of_cuda_memory_too(
     pair: tuple[RpcAgent, RpcAgent], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    asked: list[Callable[[], None]] = []
-    monkeypatch.setattr(cuda, "let_go_of_peers", lambda then: asked.append(then) or True)
-    await pair[0].shutdown(graceful=False)
-    assert len(asked) == 1  # (not waited for: the worker is leaving at once)
+    asked: list[Future[None]] = []
+
+    def never_done() -> Future[None]:
+        asked.append(Future())
+        return asked[-1]
+
+    monkeypatch.setattr(cuda, "let_go_of_peers", never_done)
+    await pair[0].shutdown(graceful=False)  # returns: the release is not waited for
+    assert len(asked) == 1
 
 
 async def test_a_worker_shut_down_lists_no_connected_peer(

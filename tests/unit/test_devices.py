@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import Counter
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -173,14 +174,14 @@ class Copied:
 
 
 def test_letting_go_of_peers_frees_every_kept_storage_after_the_copies_queued_before(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """What a worker leaving the job runs before its last barrier (see
     test_gpu.test_workers_exit_cleanly_when_peers_held_their_cuda_memory_until_shutdown):
     the releaser thread lets go of the storages it keeps and of those still queued, in
     order, then says so.  Fakes stand for the copies' events and the release stream."""
     monkeypatch.setattr(cuda, "_release_queue", None)
-    assert cuda.let_go_of_peers(lambda: None) is False  # no peer ever shared any memory
+    assert cuda.let_go_of_peers() is None  # no peer ever shared any memory
 
     kept = KeptMappings(keep_for=60.0)
     jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -190,11 +191,15 @@ def test_letting_go_of_peers_frees_every_kept_storage_after_the_copies_queued_be
     jobs.put((Copied(), held[0], None, "segment a", 10))
     jobs.put((Copied(), held[1], None, "segment b", 10))
     monkeypatch.setattr(cuda, "_release_queue", jobs)
-    released = threading.Event()
-    assert cuda.let_go_of_peers(released.set) is True
-    assert released.wait(10)
+    released = cuda.let_go_of_peers()
+    assert released is not None and released.result(timeout=10) is None
     assert held == [[], []]  # (each storage's last reference, dropped by the releaser)
     assert (len(kept), kept.kept_bytes) == (0, 0)
+    abandoned = cuda.let_go_of_peers()  # a waiter that gave up (a shutdown timed out)
+    assert abandoned is not None and abandoned.cancel()
+    after = cuda.let_go_of_peers()
+    assert after is not None and after.result(timeout=10) is None
+    assert not [r for r in caplog.records if r.name == "asyncrpc.cuda"]  # (no error)
 
 
 def test_a_failed_release_is_logged_and_the_releaser_goes_on(
@@ -216,14 +221,14 @@ def test_a_failed_release_is_logged_and_the_releaser_goes_on(
     threading.Thread(target=cuda._release_forever, args=(jobs, kept), daemon=True).start()
     jobs.put((Failed(), ["storage a"], None, "segment a", 10))
     jobs.put((Copied(), Unreleasable(), None, "segment b", 10))
-    released = threading.Event()
-    jobs.put(released.set)
-    assert released.wait(10)
+    released: Future[None] = Future()
+    jobs.put(released)
+    assert released.result(timeout=10) is None
     held = ["storage c"]
     jobs.put((Copied(), held, None, "segment c", 10))
-    again = threading.Event()
-    jobs.put(again.set)
-    assert again.wait(10)
+    again: Future[None] = Future()
+    jobs.put(again)
+    assert again.result(timeout=10) is None
     assert held == []  # the thread still works
     failures = [r.getMessage() for r in caplog.records if r.name == "asyncrpc.cuda"]
     assert failures == ["letting go of a peer's CUDA memory failed"] * 2, failures
