@@ -548,7 +548,7 @@ class RpcAgent:
         if self._segments is not None:
             self._segments.close()
         self._storage.close()
-        cuda.let_go_of_peers()  # (a graceful shutdown did, and waited for it)
+        cuda.let_go_of_peers()  # (not waited for; after a graceful one: what came since)
         cuda.collect_released()  # (our peers let go of it before their last barrier)
         self.state = Lifecycle.CLOSED
 
