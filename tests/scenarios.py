@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import struct
+import sys
 import tempfile
 import threading
 import time
@@ -513,6 +514,37 @@ async def shm_budget(cfg: Config) -> dict[str, Any]:
         seen["max_loop_lag"] = watch.max_lag
         seen["max_held_bytes"] = watch.max_held
         seen["shm"] = asyncrpc.get_debug_info()["shared_memory"]
+    await asyncrpc.shutdown()
+    return seen
+
+
+def keep_until_exit(x: torch.Tensor) -> torch.Tensor:
+    """Keep what arrived (through shared memory, if large) until the interpreter exits,
+    and send back a tensor of the same size, which the caller keeps so too."""
+    _keep_until_exit("argument", x)
+    return x + 1
+
+
+def _keep_until_exit(key: str, tensor: torch.Tensor) -> None:
+    """Hold ``tensor`` where the interpreter lets go of it last, after it has torn down
+    every module of asyncrpc (a user's module global may go then or earlier, depending
+    on the order of imports): on ``sys`` itself."""
+    kept = getattr(sys, "_asyncrpc_kept_until_exit", {})
+    kept[key] = tensor
+    sys._asyncrpc_kept_until_exit = kept  # type: ignore[attr-defined]
+
+
+async def keep_received_until_exit(cfg: Config) -> dict[str, Any]:
+    """Rank 0 sends rank 1 an 8 MiB tensor, which rank 1 keeps in a module global, as
+    rank 0 keeps the reply; both shut down and exit holding them (rank 0 reports the
+    shared memory it lent and rank 1 still holds)."""
+    await cfg.join(rpc_timeout=30)
+    seen: dict[str, Any] = {}
+    if cfg.rank == 0:
+        reply = await asyncrpc.rpc_async("w1", keep_until_exit, args=(torch.zeros(2 << 20),))
+        _keep_until_exit("reply", reply)
+        seen["reply_sum"] = float(reply.sum())
+        seen["lent_bytes"] = asyncrpc.get_debug_info()["shared_memory"]["bytes_in_use"]
     await asyncrpc.shutdown()
     return seen
 

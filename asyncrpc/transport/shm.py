@@ -74,13 +74,14 @@ import logging
 import mmap
 import os
 import secrets
+import sys
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 from asyncrpc.errors import RemoteProtocolError
 from asyncrpc.transport.housekeeping import Copiers, IdleCache, housekeeper, schedule_trim
@@ -182,8 +183,10 @@ class _Mapping:
         cannot (older than 5.14, or out of memory: the copy will fault them itself)."""
         return populate(self.address + offset, nbytes)
 
-    def __del__(self) -> None:
-        _libc.munmap(self.address, self.nbytes)
+    def __del__(self, _munmap: Any = _libc.munmap) -> None:
+        # (Bound at definition: a mapping a module global kept dies at exit, after the
+        # interpreter may have cleared this module's globals.)
+        _munmap(self.address, self.nbytes)
 
 
 class _Lease:
@@ -192,8 +195,12 @@ class _Lease:
     def __init__(self, on_release: Callable[[], None]) -> None:
         self._on_release = on_release
 
-    def __del__(self) -> None:
-        self._on_release()
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # A tensor a module global kept dies as the interpreter exits, when modules may be
+        # half torn down: nobody is left to tell then (the peer frees what it lent when
+        # the connection closes).
+        if not _finalizing():
+            self._on_release()
 
 
 class SegmentOwner(Protocol):
