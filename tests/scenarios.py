@@ -549,6 +549,20 @@ async def keep_received_until_exit(cfg: Config) -> dict[str, Any]:
     return seen
 
 
+async def leave_holding_an_rref(cfg: Config) -> dict[str, Any]:
+    """Rank 0 keeps an RRef that rank 1 owns where the interpreter lets go of it last,
+    and leaves without shutdown (as a job that fails does); rank 1 shuts down."""
+    await cfg.join(rpc_timeout=30)
+    seen: dict[str, Any] = {}
+    if cfg.rank == 0:
+        rref = asyncrpc.remote("w1", add, args=(2, 3))
+        seen["value"] = await rref.to_here()
+        sys._asyncrpc_kept_rref = rref  # type: ignore[attr-defined]
+        return seen
+    await asyncrpc.shutdown()
+    return seen
+
+
 def _seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 

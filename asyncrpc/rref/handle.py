@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
@@ -92,9 +93,12 @@ class RRef(Generic[T]):
         handle._creation = creation
         return handle
 
-    def __del__(self) -> None:
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # A handle still held as the interpreter exits (the worker left without shutdown)
+        # dies with modules half torn down: nothing to count then (its owner learns of
+        # the loss from the link).  ``_finalizing`` is bound here for that hour.
         context = getattr(self, "_context", None)
-        if context is not None and not context.closed:
+        if context is not None and not context.closed and not _finalizing():
             context.dropped(self._id)
 
     def __copy__(self) -> RRef[T]:

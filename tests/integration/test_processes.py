@@ -137,6 +137,15 @@ def test_workers_exit_quietly_holding_tensors_received_through_shared_memory() -
         assert "Exception ignored" not in w.stderr and "Traceback" not in w.stderr, w.describe()
 
 
+def test_a_worker_that_leaves_without_shutdown_holding_an_rref_exits_quietly() -> None:
+    # Its RRef dies as the interpreter tears modules down, after the loop closed: the
+    # owner learns of it from the lost link, and nothing may fail there.
+    workers = run_job("leave_holding_an_rref")
+    assert workers[0].result["value"] == 5
+    assert "Exception ignored" not in workers[0].stderr, workers[0].describe()
+    assert "Traceback" not in workers[0].stderr, workers[0].describe()
+
+
 def test_graceful_shutdown_waits_for_peers() -> None:
     workers = run_job("graceful_shutdown")
     assert workers[0].result["results"] == [2 * i for i in range(20)]
