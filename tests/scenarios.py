@@ -535,9 +535,9 @@ def _keep_until_exit(key: str, tensor: torch.Tensor) -> None:
 
 
 async def keep_received_until_exit(cfg: Config) -> dict[str, Any]:
-    """Rank 0 sends rank 1 an 8 MiB tensor, which rank 1 keeps in a module global, as
-    rank 0 keeps the reply; both shut down and exit holding them (rank 0 reports the
-    shared memory it lent and rank 1 still holds)."""
+    """Rank 0 sends rank 1 an 8 MiB tensor, which rank 1 keeps until its interpreter
+    exits, as rank 0 keeps the reply; both shut down and exit holding them (rank 0
+    reports the shared memory it lent and rank 1 still holds)."""
     await cfg.join(rpc_timeout=30)
     seen: dict[str, Any] = {}
     if cfg.rank == 0:
