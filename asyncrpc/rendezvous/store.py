@@ -35,6 +35,7 @@ import os
 import random
 import secrets
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -185,9 +186,7 @@ def _tcp_store(
     host: str, port: int, rank: int, world_size: int, wait: timedelta, *, hosted_by_agent: bool
 ) -> Store:
     if rank != 0 or hosted_by_agent:
-        return dist.TCPStore(  # type: ignore[attr-defined]
-            host, port, world_size, False, wait, wait_for_workers=False
-        )
+        return _connected(host, port, world_size, wait)
     sock = _listening_socket(host, port)
     try:
         store = dist.TCPStore(  # type: ignore[attr-defined]
@@ -207,6 +206,45 @@ def _tcp_store(
     if sock is not None:
         sock.detach()  # the store's server owns the descriptor now
     return store
+
+
+STORE_ANSWER_GRACE = 10.0
+"""Seconds a store client may take beyond its timeout to connect and be answered."""
+
+
+def _connected(host: str, port: int, world_size: int, wait: timedelta) -> Store:
+    """A client of the TCPStore at ``host:port``.  torch's constructor retries the
+    connection for ``wait``, then waits for the server's answer without a bound: a
+    listener that is no store, or a store process that hangs (one left over from an
+    earlier job, stopped), would hold ``init_rpc`` forever.  So it runs in a daemon
+    thread, given up (and left blocked, never joined at exit) after ``wait`` and
+    ``STORE_ANSWER_GRACE``; RPCTimeoutError then."""
+    made: list[Store] = []
+    failed: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            made.append(
+                dist.TCPStore(  # type: ignore[attr-defined]
+                    host, port, world_size, False, wait, wait_for_workers=False
+                )
+            )
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=connect, name="asyncrpc-store-connect", daemon=True)
+    thread.start()
+    limit = wait.total_seconds() + STORE_ANSWER_GRACE
+    thread.join(limit)
+    if failed:
+        raise failed[0]
+    if not made:
+        raise RPCTimeoutError(
+            f"rendezvous did not complete: the store at {host}:{port} took the connection "
+            f"but did not answer within {limit:g}s (is another program listening there, or "
+            "a process of an earlier job that hangs?)"
+        )
+    return made[0]
 
 
 def _listening_socket(host: str, port: int) -> socket.socket | None:

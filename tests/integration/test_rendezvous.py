@@ -8,13 +8,16 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+from asyncrpc.errors import RPCTimeoutError
 from asyncrpc.rendezvous import create_store
+from asyncrpc.rendezvous import store as store_module
 from tests.cluster import ROOT, free_port, run_job, run_script
 
 pytestmark = pytest.mark.timeout(120)
@@ -111,6 +114,23 @@ def test_rank0_reports_a_port_taken_by_another_process() -> None:
         port = taken.getsockname()[1]
         with pytest.raises(dist.DistNetworkError, match=r"(?i)in use"):
             create_store(f"tcp://127.0.0.1:{port}", 0, 2, 10)
+
+
+def test_a_listener_that_never_answers_fails_the_rendezvous_in_bounded_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch's TCPStore client waits for the server's answer without a bound: against a
+    listener that is no store (the kernel takes the connection, nobody answers) it
+    would wait forever. The rendezvous gives up after its timeout and a grace."""
+    monkeypatch.setattr(store_module, "STORE_ANSWER_GRACE", 0.5)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        started = time.monotonic()
+        with pytest.raises(RPCTimeoutError, match=rf"127\.0\.0\.1:{port} took the connection"):
+            create_store(f"tcp://127.0.0.1:{port}", 1, 2, 0.5)
+        assert time.monotonic() - started < 10
 
 
 async def test_one_store_serves_jobs_in_a_row(tmp_path: Path) -> None:
