@@ -70,7 +70,11 @@ def create_store(init_method: str, rank: int, world_size: int, timeout: float) -
         return dist.FileStore(  # type: ignore[attr-defined]
             urlsplit(init_method).path, world_size
         )
-    raise ValueError(f"unsupported init_method {init_method!r} (use tcp://, env:// or file://)")
+    raise _unsupported(init_method)
+
+
+def _unsupported(init_method: str) -> ValueError:
+    return ValueError(f"unsupported init_method {init_method!r} (use tcp://, env:// or file://)")
 
 
 JOBS = f"{PREFIX}/jobs"
@@ -176,6 +180,8 @@ def master_address(init_method: str) -> tuple[str, int]:
             return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         except KeyError as missing:
             raise ValueError(f"env:// rendezvous needs the variable {missing}") from None
+    if not init_method.startswith("tcp://"):
+        raise _unsupported(init_method)
     parts = urlsplit(init_method)
     if parts.hostname is None or parts.port is None:
         raise ValueError(f"init_method {init_method!r} needs a host and a port")

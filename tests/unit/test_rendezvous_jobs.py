@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from asyncrpc.errors import RPCTimeoutError
-from asyncrpc.rendezvous.store import JOBS, PREFIX, open_job
+from asyncrpc.rendezvous.store import JOBS, PREFIX, create_store, listen_host_for, open_job
 from tests.cluster import free_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -87,3 +87,15 @@ def test_a_missing_rank_is_named_by_the_others(store: Any) -> None:
             one.result(timeout=30)
         with pytest.raises(RPCTimeoutError, match=missing):
             zero.result(timeout=30)
+
+
+@pytest.mark.parametrize("init_method", ["foo://bar:1", "udp://127.0.0.1:29500", "127.0.0.1:29500"])
+def test_an_init_method_of_another_scheme_is_named_unsupported(init_method: str) -> None:
+    for step in (lambda: listen_host_for(init_method), lambda: create_store(init_method, 1, 2, 1)):
+        with pytest.raises(ValueError, match=r"unsupported init_method .* \(use tcp://, env://"):
+            step()
+
+
+def test_a_tcp_init_method_without_a_port_says_so() -> None:
+    with pytest.raises(ValueError, match="needs a host and a port"):
+        listen_host_for("tcp://127.0.0.1")
