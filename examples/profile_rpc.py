@@ -15,7 +15,7 @@ folder, printed).  Open both in https://ui.perfetto.dev or ``chrome://tracing``:
   ``rpc_async`` to its reply;
 * the ps's ``rpc_queued#<function> <- trainer [call N@trainer]`` (arrival until the
   function starts; a pool call: until a pool thread takes it) and
-  ``rpc_run#<function> <- trainer [call N@trainer]`` (until the reply is written)
+  ``rpc_run#<function> <- trainer [call N@trainer]`` (until the reply is about to be written)
   carry the same call tag, and the same for calls the other way.
 
 The trainer then reads both traces back, matches the spans of each call, and prints

@@ -398,6 +398,8 @@ class Inbound:
             if ok and type(value) is EncodedReply:
                 value.reply.abandon()  # nobody awaits it
             return
+        if call.span is not None:  # before the reply leaves: then, in a trace, the run
+            call.span.ended()  # lies within the caller's span, however the CPUs are shared
         if not ok:
             self._reply_failure(call, value)
         elif type(value) is EncodedReply:

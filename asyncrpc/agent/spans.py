@@ -10,8 +10,8 @@ profiler), every call becomes named spans in the worker's trace:
 * on the callee, ``rpc_queued#<function> <- <caller> [call <id>@<caller>]`` from the
   request's arrival until its function starts (a pool call: until a pool thread
   takes it), then ``rpc_run#<function> <- <caller> [call <id>@<caller>]`` until its
-  reply is written (a pool call: its encoding and the hop back to the loop
-  included).
+  reply is about to be written (a pool call: its encoding and the hop back to the
+  loop included), so that it lies within the caller's span.
 
 The suffix ``[call <id>@<caller>]`` is the same on both sides, so two workers'
 chrome traces can be matched span by span (``match_calls`` does it).
@@ -115,7 +115,8 @@ class ServedSpan:
             self._switch()
 
     def ended(self) -> None:
-        """The call's reply is written (or it failed, or nobody waits any more)."""
+        """The call's reply is about to be written (or it failed, or nobody waits any
+        more)."""
         if not self._ended:
             self._ended = True
             end(self._queued if self._run is None else self._run)

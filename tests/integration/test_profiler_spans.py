@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import operator
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -105,6 +106,29 @@ async def test_a_call_is_a_caller_span_and_callee_queued_and_run_spans_with_one_
     assert calls["2@a"][RUN]["tid"] == loop_thread  # an async def runs on the loop
     pool_run = calls["3@a"][RUN]["tid"]
     assert (pool_run != loop_thread) is all_threads  # in the pool thread, if it is traced
+
+
+@pytest.mark.parametrize("all_threads", [False, True], ids=["loop-thread", "all-threads"])
+async def test_the_run_span_ends_before_the_reply_leaves(
+    pair: list[RpcAgent], monkeypatch: pytest.MonkeyPatch, all_threads: bool
+) -> None:
+    """Then, in two workers' traces, the callee's run lies within the caller's span
+    however the CPUs are shared: the caller's span cannot end before the reply left."""
+    ended_when_sent: list[bool] = []
+    send_result = inbound.Inbound._send_result
+
+    def spying(self: inbound.Inbound, call: inbound.IncomingCall, result: Any) -> None:
+        ended_when_sent.append(call.span is not None and call.span._ended)
+        send_result(self, call, result)
+
+    monkeypatch.setattr(inbound.Inbound, "_send_result", spying)
+    a, _ = pair
+    await a.rpc_async("b", sleepy, (0,))
+    ended_when_sent.clear()
+    with profiler(all_threads):
+        assert await a.rpc_async("b", sleepy, (1,)) == 2  # a coroutine
+        assert await a.rpc_async("b", operator.add, (1, 2)) == 3  # a pool call
+    assert ended_when_sent == [True, True]
 
 
 async def test_a_failed_or_timed_out_call_still_ends_its_spans(
