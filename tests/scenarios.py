@@ -567,6 +567,21 @@ def _seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+LATE_START_S = 1.0
+"""How much later the last rank of ``late_rank`` starts than the others."""
+
+
+async def late_rank(cfg: Config) -> dict[str, Any]:
+    """The last rank starts ``LATE_START_S`` after the others (a job's processes seldom
+    start together: several hosts, a slow import); then each rank calls the next."""
+    if cfg.rank == cfg.world - 1:
+        await asyncio.sleep(LATE_START_S)  # the scenario itself: this rank comes late
+    await cfg.join(rpc_timeout=30)
+    seen = {"next_says": await asyncrpc.rpc_async(f"w{(cfg.rank + 1) % cfg.world}", whoami)}
+    await asyncrpc.shutdown()
+    return seen
+
+
 async def rendezvous(cfg: Config) -> dict[str, Any]:
     """Join through the init_method in $TEST_INIT_METHOD (env://, file://, ...)."""
     name = os.environ.get("TEST_WORKER_NAME", cfg.name)

@@ -79,8 +79,9 @@ def _unsupported(init_method: str) -> ValueError:
 
 JOBS = f"{PREFIX}/jobs"
 """The store's count of asyncrpc jobs opened on it so far (job numbers start at 1)."""
-STALE_POLL = timedelta(seconds=0.2)
-"""How often a rank waiting for its job to open looks whether a newer one began."""
+SUPERSEDED = msgpack.packb([])
+"""What a job that never opened is opened with once a newer one begins: no rank's token,
+so whoever waits for it moves on to the newer one."""
 
 
 def open_job(store: Store, rank: int, world_size: int) -> Store:
@@ -92,7 +93,10 @@ def open_job(store: Store, rank: int, world_size: int) -> Store:
     rank 0 opens a job with a new number (a counter in the store), each other rank says
     it joins that job with a random token, and rank 0 publishes the tokens of everyone
     who joined: a rank that finds the job open without its token has found an older
-    job (its rank 0 gone) and waits for the next one."""
+    job (its rank 0 gone) and waits for the next one.  A rank 0 that opens a job opens
+    the one before it with no tokens (``SUPERSEDED``) if it never opened, so a rank
+    waiting for that one moves on at once: every wait here is one store wait, bounded by
+    the rendezvous timeout."""
     job = _open(store, world_size) if rank == 0 else _join(store, rank, world_size)
     return dist.PrefixStore(_scope(job), store)  # type: ignore[attr-defined]
 
@@ -105,6 +109,8 @@ def _scope(job: int) -> str:
 def _open(store: Store, world_size: int) -> int:
     """Rank 0: a new job number; returns once every rank has joined it."""
     job = int(store.add(JOBS, 1))
+    if job > 1:  # the job before, if it never opened (its rank 0 died), never will
+        store.compare_set(f"{_scope(job - 1)}/open", b"", SUPERSEDED)
     scope = _scope(job)
     store.set(f"{scope}/created", b"")
     store.set(f"{scope}/joined/0", b"")
@@ -125,50 +131,29 @@ def _join(store: Store, rank: int, world_size: int) -> int:
         job = int(store.add(JOBS, 0))  # the newest (a job opened after ours began is not)
         store.set(f"{_scope(job)}/joined/{rank}", token)
         tokens = _tokens_when_open(store, job, deadline, world_size)
-        if tokens is not None and rank < len(tokens) and tokens[rank] == token:
+        if rank < len(tokens) and tokens[rank] == token:
             return job
         stale = job
 
 
 def _tokens_when_open(store: Store, job: int, deadline: float, world_size: int) -> Any:
-    """The tokens job ``job`` opened with, or None if a newer job began first (rank 0
-    of ``job`` is gone)."""
+    """The tokens job ``job`` opened with: none of this rank's if a newer job began first
+    (its rank 0 then opens this one with no token: ``SUPERSEDED``).  One wait, not a
+    poll: each store wait that times out makes torch's client log two warnings."""
     scope = _scope(job)
-    while True:
-        try:
-            _wait_until(store, f"{scope}/open", deadline, scope, world_size, STALE_POLL)
-        except _NotYetError:
-            if int(store.add(JOBS, 0)) > job:
-                return None
-            continue
-        return msgpack.unpackb(bytes(store.get(f"{scope}/open")))
+    _wait_until(store, f"{scope}/open", deadline, scope, world_size)
+    return msgpack.unpackb(bytes(store.get(f"{scope}/open")))
 
 
-class _NotYetError(Exception):
-    """A short wait for a key ended without it."""
-
-
-def _wait_until(  # noqa: PLR0917 (a helper of _join, in its thread)
-    store: Store,
-    key: str,
-    deadline: float,
-    scope: str,
-    world_size: int,
-    slice_: timedelta | None = None,
-) -> None:
-    """Wait for ``key`` until ``deadline`` (then an RPCTimeoutError naming the ranks that
-    have not joined ``scope``), or at most ``slice_`` (then ``_NotYetError``)."""
-    left = deadline - time.monotonic()
-    wait = timedelta(seconds=max(left, 0.001))
-    if slice_ is not None and slice_ < wait:
-        wait = slice_
+def _wait_until(store: Store, key: str, deadline: float, scope: str, world_size: int) -> None:
+    """Wait for ``key`` until ``deadline``, then an RPCTimeoutError naming the ranks that
+    have not joined ``scope``."""
+    wait = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
     try:
         store.wait([key], wait)
     except dist.DistNetworkError:
         raise
     except RuntimeError:  # a timeout (DistStoreError from a TCPStore)
-        if slice_ is not None and time.monotonic() < deadline:
-            raise _NotYetError from None
         joined = f"{scope}/joined"
         raise _missing_ranks(store, joined, world_size, "joined", store.timeout) from None
 

@@ -63,6 +63,16 @@ def test_duplicate_worker_names_fail_on_every_rank(tmp_path: Path, store: str) -
         assert "'same' is not unique" in worker.result["message"]
 
 
+def test_ranks_that_wait_for_a_late_one_print_nothing() -> None:
+    """The ranks that joined wait for the last with one store wait each: torch's store
+    client logs two warnings for every wait that times out, so a poll in short waits
+    printed a dozen lines a second on every rank waiting."""
+    workers = run_job("late_rank", world=3)
+    for worker in workers:
+        assert worker.result["next_says"] == f"w{(worker.rank + 1) % 3}"
+        assert "waitForInput" not in worker.stderr, worker.describe()
+
+
 def test_a_missing_worker_is_named_on_every_rank() -> None:
     env = {"TEST_WORLD_SIZE": "3", "TEST_RPC_TIMEOUT": "3"}
     for worker in run_job("rendezvous", env=env):
