@@ -595,9 +595,16 @@ class RpcAgent:
         by_name = reference(func)
         value = (args or (), kwargs or {}) if by_name else (func, args or (), kwargs or {})
         # A plain value's payload; else reducers take part, and an Outgoing owns their effects.
-        request: bytes | Outgoing | None = dumps_plain(value)
-        if request is None:
-            request = dumps_request(self, target.rank, value, call_id=call_id, function=name)
+        try:
+            request: bytes | Outgoing | None = dumps_plain(value)
+            if request is None:
+                request = dumps_request(self, target.rank, value, call_id=call_id, function=name)
+        except SerializationError as exc:  # say which call, as the callee does of a result
+            raise SerializationError(
+                f"call to {name} on worker {peer!r} cannot be sent: {exc}",
+                worker=peer,
+                function=name,
+            ) from exc
         link = self._links.get(peer)
         size = len(request) if isinstance(request, bytes) else request.size
         if size > (self.options.max_frame_size if link is None else link.max_send_size):

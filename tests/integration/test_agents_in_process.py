@@ -606,6 +606,21 @@ async def test_an_unpicklable_plain_result_fails_its_call_naming_it_and_the_work
     assert await a.rpc_async("b", small_result, args=(1,)) == (1, "ok")
 
 
+async def test_an_unpicklable_argument_fails_its_call_naming_it_the_worker_and_the_cause(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    a, _ = pair
+    for args in ((lambda: 1,), (torch.ones(2), threading.Lock())):  # plain, and with a tensor
+        with pytest.raises(SerializationError) as caught:
+            a.rpc_async("b", small_result, args=args)
+        message = str(caught.value)
+        assert message.startswith(f"call to {__name__}.small_result on worker 'b' cannot be sent: ")
+        assert "pickle" in message, message
+        assert caught.value.worker == "b" and caught.value.function == f"{__name__}.small_result"
+    assert a.debug_info()["pending_outgoing_calls"] == 0
+    assert await a.rpc_async("b", small_result, args=(1,)) == (1, "ok")
+
+
 async def test_a_failed_call_is_logged_on_the_callee(
     pair: tuple[RpcAgent, RpcAgent], caplog: pytest.LogCaptureFixture
 ) -> None:
