@@ -1006,11 +1006,20 @@ class RpcAgent:
         if not self.state.ending:
             self._routes.lost(peer.name, str(exc))
         self._mark_dead(peer.name)
-        lost = PeerLostError(f"lost connection to worker {peer.name!r}: {exc}", worker=peer.name)
-        lost.__cause__ = exc
         for call_id, call in list(self._pending.items()):
             if call.peer == peer.name:
-                self._finish(call_id, error=lost)
+                self._finish(call_id, error=self._lost_during(call, exc))
+
+    @staticmethod
+    def _lost_during(call: PendingCall, exc: BaseException) -> PeerLostError:
+        """What a call in flight fails with when its link is lost (``exc``)."""
+        lost = PeerLostError(
+            f"lost connection to worker {call.peer!r} during call to {call.function}: {exc}",
+            worker=call.peer,
+            function=call.function,
+        )
+        lost.__cause__ = exc
+        return lost
 
     def _no_link_with(self, name: str) -> bool:
         return name not in self._links and self._inbound.link_from(name) is None

@@ -84,6 +84,8 @@ def test_peer_killed_mid_call_fails_pending_calls_at_once() -> None:
     for key in ("killed", "in_flight", "later_call"):
         assert seen[key]["error"] == "PeerLostError", seen[key]
         assert seen[key]["connection"] and "w1" in seen[key]["message"]
+    for key, function in (("killed", "die"), ("in_flight", "sleep_for")):  # each names its call
+        assert f"during call to tests.scenarios.{function}: " in seen[key]["message"], seen[key]
     assert seen["burst_errors"] == ["PeerLostError"]  # 200 calls in flight, none lost
     assert seen["elapsed"] < 10  # the in-flight call's own timeout was 30 s
     assert seen["pending_after"] == 0
