@@ -1024,8 +1024,9 @@ class Link(asyncio.BufferedProtocol):
 
     def _lost_error(self, what: str) -> PeerLostError:
         peer = self.handshake.peer
-        name = peer.name if peer else "an unidentified peer"
-        return PeerLostError(f"worker {name!r}: {what}", worker=name)
+        if peer is None:  # not known yet (whoever dialed it names whom it dialed)
+            return PeerLostError(f"before the handshake: {what}")
+        return PeerLostError(f"worker {peer.name!r}: {what}", worker=peer.name)
 
 
 def _cheap_to_copy(fills: Fills) -> bool:

@@ -642,8 +642,8 @@ async def test_a_connection_lost_without_a_cause_or_before_the_handshake_says_so
     listener.link.connection_lost(None)
     (error,) = listener.owner.lost
     assert isinstance(error, PeerLostError) and error.__cause__ is None
-    assert str(error) == "worker 'an unidentified peer': connection lost (closed)"
-    assert error.details == {"worker": "an unidentified peer"}
+    assert str(error) == "before the handshake: connection lost (closed)"
+    assert error.details == {}
     assert listener.link.ready.exception() is error
 
 
