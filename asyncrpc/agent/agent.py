@@ -236,6 +236,25 @@ class AgentOptions:
             )
 
 
+class CallFuture(asyncio.Future[Any]):
+    """The future of an outgoing call.  Cancelling it (``asyncio.wait_for`` or
+    ``asyncio.timeout`` running out, a cancelled task awaiting it) cancels the call, as
+    its deadline would: the callee is told, and the call is no longer pending."""
+
+    __slots__ = ("_agent", "_call_id")
+
+    def __init__(self, agent: RpcAgent, call_id: int) -> None:
+        super().__init__(loop=agent.loop)
+        self._agent = agent
+        self._call_id = call_id
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        if not super().cancel(msg):
+            return False
+        self._agent._call_cancelled(self._call_id)
+        return True
+
+
 @dataclass(slots=True)
 class PendingCall:
     future: asyncio.Future[Any]
@@ -643,7 +662,7 @@ class RpcAgent:
         """Record call ``call_id`` as pending, with its deadline; the future of its result.
         ``started``: when it was sent, if it already was (default: now)."""
         call = PendingCall(
-            self._loop.create_future(),
+            CallFuture(self, call_id),
             peer,
             name,
             self.options.timeout_for(timeout),
@@ -878,9 +897,7 @@ class RpcAgent:
         call = self._pending.get(call_id)
         if call is None:
             return
-        link = self._links.get(call.peer)
-        if link is not None:
-            link.send(Kind.CANCEL, {"i": call_id})
+        self._tell_cancelled(call_id, call)
         self._finish(
             call_id,
             error=RPCTimeoutError(
@@ -889,6 +906,21 @@ class RpcAgent:
                 function=call.function,
             ),
         )
+
+    def _call_cancelled(self, call_id: int) -> None:
+        """The caller cancelled the call's future: cancel the call (see CallFuture)."""
+        call = self._pending.get(call_id)
+        if call is None:
+            return
+        self._tell_cancelled(call_id, call)
+        self._finish(call_id, error=asyncio.CancelledError())
+
+    def _tell_cancelled(self, call_id: int, call: PendingCall) -> None:
+        """Tell the callee to cancel the call (a request still waiting for its link is
+        never sent: it is no longer pending then)."""
+        link = self._links.get(call.peer)
+        if link is not None and not link.closed:
+            link.send(Kind.CANCEL, {"i": call_id})
 
     def _finish(
         self, call_id: int, *, result: Any = None, error: BaseException | None = None

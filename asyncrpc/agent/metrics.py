@@ -12,8 +12,9 @@ hundred nanoseconds on the loop, so the counters are always on.
 Outcomes: ``ok``; ``error`` (the function raised; for the caller, the remote
 function did); ``timeout`` (the deadline passed); ``lost`` (the peer or the
 connection was lost, or the agent closed); ``cancelled`` (served: the caller
-gave up).  Histograms have fixed upper bounds (``BUCKETS``, seconds, as
-Prometheus wants them: cumulative at export, plus ``+Inf``).
+gave up; made: the caller cancelled the call's future).  Histograms have fixed
+upper bounds (``BUCKETS``, seconds, as Prometheus wants them: cumulative at
+export, plus ``+Inf``).
 
 Nothing here reads the clock or knows the agent: callers pass the seconds.  A
 :meth:`snapshot` is plain data (JSON-able) for ``get_debug_info()``, the
@@ -23,6 +24,7 @@ Prometheus exposition and the dashboard, which live a layer up
 
 from __future__ import annotations
 
+import asyncio
 import os
 from bisect import bisect_left
 from typing import Any
@@ -54,6 +56,8 @@ def outcome_of(error: BaseException | None) -> str:
         return "timeout"
     if isinstance(error, PeerLostError | AgentStateError):
         return "lost"
+    if isinstance(error, asyncio.CancelledError):  # the caller cancelled it
+        return "cancelled"
     return "error"
 
 

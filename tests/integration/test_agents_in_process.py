@@ -127,6 +127,30 @@ async def test_a_message_whose_header_cannot_fit_fails_its_call_by_name(
     assert await a.rpc_async("b", operator.add, (1, 2)) == 3
 
 
+async def test_cancelling_a_calls_future_cancels_the_call(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    """As asyncio code cancels what it awaits (``wait_for``, ``asyncio.timeout``, a
+    task cancelled): the callee's coroutine is cancelled, and nothing stays pending."""
+    a, b = pair
+    call = a.rpc_async("b", wait_forever)
+    await asyncio.wait_for(Probe.started.wait(), 5)
+    assert call.cancel()
+    await asyncio.wait_for(Probe.cancelled.wait(), 5)  # the CANCEL reached the callee
+    assert a.debug_info()["pending_outgoing_calls"] == 0
+    made = a.metrics.snapshot()["made"][f"{__name__}.wait_forever"]["outcomes"]
+    assert made == {"cancelled": 1}
+    Probe.started.clear()
+    Probe.cancelled.clear()
+    with pytest.raises(TimeoutError):  # asyncio.wait_for cancels the call's future
+        await asyncio.wait_for(a.rpc_async("b", wait_forever), 0.2)
+    await asyncio.wait_for(Probe.cancelled.wait(), 5)
+    assert a.debug_info()["pending_outgoing_calls"] == 0
+    assert await a.rpc_async("b", small_result, args=(1,)) == (1, "ok")
+    served = b.metrics.snapshot()["served"][f"{__name__}.wait_forever"]["outcomes"]
+    assert served == {"cancelled": 2}
+
+
 async def test_timeout_cancels_the_remote_coroutine(pair: tuple[RpcAgent, RpcAgent]) -> None:
     a, _ = pair
     with pytest.raises(RPCTimeoutError, match="'b'"):
