@@ -242,11 +242,8 @@ class CallFuture(asyncio.Future[Any]):
     its deadline would: the callee is told, and the call is no longer pending."""
 
     __slots__ = ("_agent", "_call_id")
-
-    def __init__(self, agent: RpcAgent, call_id: int) -> None:
-        super().__init__(loop=agent.loop)
-        self._agent = agent
-        self._call_id = call_id
+    _agent: RpcAgent  # (set by RpcAgent._pend: an __init__ of ours would double the cost
+    _call_id: int  # of making one, on every call)
 
     def cancel(self, msg: Any | None = None) -> bool:
         if not super().cancel(msg):
@@ -661,8 +658,10 @@ class RpcAgent:
     ) -> asyncio.Future[Any]:
         """Record call ``call_id`` as pending, with its deadline; the future of its result.
         ``started``: when it was sent, if it already was (default: now)."""
+        future = CallFuture(loop=self._loop)
+        future._agent, future._call_id = self, call_id
         call = PendingCall(
-            CallFuture(self, call_id),
+            future,
             peer,
             name,
             self.options.timeout_for(timeout),
