@@ -37,6 +37,7 @@ import secrets
 import socket
 import threading
 import time
+from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
@@ -210,32 +211,30 @@ def _connected(host: str, port: int, world_size: int, wait: timedelta) -> Store:
     earlier job, stopped), would hold ``init_rpc`` forever.  So it runs in a daemon
     thread, given up (and left blocked, never joined at exit) after ``wait`` and
     ``STORE_ANSWER_GRACE``; RPCTimeoutError then."""
-    made: list[Store] = []
-    failed: list[BaseException] = []
+    connected: Future[Store] = Future()
 
     def connect() -> None:
         try:
-            made.append(
+            connected.set_result(
                 dist.TCPStore(  # type: ignore[attr-defined]
                     host, port, world_size, False, wait, wait_for_workers=False
                 )
             )
         except BaseException as exc:
-            failed.append(exc)
+            connected.set_exception(exc)
 
-    thread = threading.Thread(target=connect, name="asyncrpc-store-connect", daemon=True)
-    thread.start()
+    threading.Thread(target=connect, name="asyncrpc-store-connect", daemon=True).start()
     limit = wait.total_seconds() + STORE_ANSWER_GRACE
-    thread.join(limit)
-    if failed:
-        raise failed[0]
-    if not made:
+    try:
+        return connected.result(timeout=limit)
+    except TimeoutError:
+        if connected.done():  # the store's own error
+            raise
         raise RPCTimeoutError(
             f"rendezvous did not complete: the store at {host}:{port} took the connection "
             f"but did not answer within {limit:g}s (is another program listening there, or "
             "a process of an earlier job that hangs?)"
-        )
-    return made[0]
+        ) from None
 
 
 def _listening_socket(host: str, port: int) -> socket.socket | None:
