@@ -525,12 +525,12 @@ def keep_until_exit(x: torch.Tensor) -> torch.Tensor:
     return x + 1
 
 
-def _keep_until_exit(key: str, tensor: torch.Tensor) -> None:
-    """Hold ``tensor`` where the interpreter lets go of it last, after it has torn down
+def _keep_until_exit(key: str, value: Any) -> None:
+    """Hold ``value`` where the interpreter lets go of it last, after it has torn down
     every module of asyncrpc (a user's module global may go then or earlier, depending
     on the order of imports): on ``sys`` itself."""
     kept = getattr(sys, "_asyncrpc_kept_until_exit", {})
-    kept[key] = tensor
+    kept[key] = value
     sys._asyncrpc_kept_until_exit = kept  # type: ignore[attr-defined]
 
 
@@ -557,7 +557,7 @@ async def leave_holding_an_rref(cfg: Config) -> dict[str, Any]:
     if cfg.rank == 0:
         rref = asyncrpc.remote("w1", add, args=(2, 3))
         seen["value"] = await rref.to_here()
-        sys._asyncrpc_kept_rref = rref  # type: ignore[attr-defined]
+        _keep_until_exit("rref", rref)
         return seen
     await asyncrpc.shutdown()
     return seen
