@@ -46,7 +46,7 @@ from asyncrpc.errors import (
 )
 from asyncrpc.rref.context import RRefContext, context_for
 from asyncrpc.rref.protocol import ForkId, RRefId
-from asyncrpc.serde import register_reducer
+from asyncrpc.serde import register_plain, register_reducer
 
 T = TypeVar("T")
 Target = str | int | WorkerInfo
@@ -405,25 +405,37 @@ def _created(context: RRefContext, rref: RRefId, creation: asyncio.Future[Any]) 
 
 
 class _Registration:
-    """``remote()``'s RRef and the creator's fork, in its request to the owner.  The
-    owner records them as this unpickles, in link order, before anything in the request
-    can hold the call back (``start_after``): a later ``to_here`` or method call on
-    the same link must find the RRef."""
+    """``remote()``'s RRef and the creator's fork, in its request to the owner, which
+    records them in link order, before anything later on the link: a ``to_here`` or
+    method call sent after ``remote()`` must find the RRef.
+
+    It pickles as a call of :func:`_register`, so the owner records them as the request
+    unpickles, before anything in the request can hold the call back (``start_after``).
+    That only happens to a request some reducer took part in (an RRef among the
+    arguments).  A plain or lean request (the commonest: a function and its tensors and
+    scalars) unpickles without a Transfer and its call starts at once: there
+    ``_register`` gives the registration back and ``_create`` records it, as it starts.
+    The request is then as cheap to make and read as any small call's."""
 
     __slots__ = ("fork", "rref")
 
     def __init__(self, rref: RRefId, fork: ForkId) -> None:
         self.rref, self.fork = rref, fork
 
+    def __reduce__(self) -> tuple[Any, tuple[RRefId, ForkId]]:
+        return _register, (self.rref, self.fork)
 
-def _reduce_registration(registration: _Registration) -> Any:
-    return _register, (registration.rref, registration.fork)
 
-
-def _register(rref: RRefId, fork: ForkId) -> tuple[RRefId, bool]:
+def _register(rref: RRefId, fork: ForkId) -> tuple[RRefId, bool] | _Registration:
     """On the owner, as the request unpickles: count the creator's fork; returns the
-    RRef's id and whether this is the first request to make it."""
-    context = _receiving_context()
+    RRef's id and whether this is the first request to make it.  Without a Transfer (a
+    plain or lean request) the registration itself, for ``_create``."""
+    if current_transfer() is None:
+        return _Registration(rref, fork)
+    return _owner_create(_receiving_context(), rref, fork)
+
+
+def _owner_create(context: RRefContext, rref: RRefId, fork: ForkId) -> tuple[RRefId, bool]:
     with context._lock:
         first = context.state.owner_create(rref, fork, rref[0])
     context.value_of(rref)
@@ -432,12 +444,18 @@ def _register(rref: RRefId, fork: ForkId) -> tuple[RRefId, bool]:
 
 @async_execution
 def _create(
-    registered: tuple[RRefId, bool], func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    registered: tuple[RRefId, bool] | _Registration,
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> asyncio.Future[None]:
-    """Owner side of ``remote()`` (the RRef was registered as the request unpickled):
-    make the value; reply when it is made (with nothing: the value stays here) or failed."""
-    rref, first = registered
+    """Owner side of ``remote()`` (the RRef registered as the request unpickled, or here,
+    see ``_Registration``): make the value; reply when it is made (with nothing: the
+    value stays here) or failed."""
     context = context_for(_agent())
+    if isinstance(registered, _Registration):
+        registered = _owner_create(context, registered.rref, registered.fork)
+    rref, first = registered
     value = context.value_of(rref)
     outcome: asyncio.Future[None] = value.get_loop().create_future()
     if first:
@@ -536,4 +554,4 @@ def _agent() -> RpcAgent:
 
 register_reducer(RRef, _reduce_rref)
 register_reducer(_MethodCall, _reduce_method_call)
-register_reducer(_Registration, _reduce_registration)
+register_plain(_Registration)

@@ -6,6 +6,7 @@ from asyncrpc.serde.pickler import (
     is_plain,
     loads,
     reduce_tensor,
+    register_plain,
     register_reducer,
 )
 from asyncrpc.serde.tensors import allocate_tensor_storage, byte_view
@@ -18,5 +19,6 @@ __all__ = (
     "is_plain",
     "loads",
     "reduce_tensor",
+    "register_plain",
     "register_reducer",
 )

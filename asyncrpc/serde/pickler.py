@@ -66,9 +66,12 @@ _local = threading.local()  # per thread: the reusable pickler, the current dump
 
 _PLAIN_TYPES: set[type] = {type(None), bool, int, float, complex, str, bytes, FunctionType}
 """Types whose instances pickle the same with or without our reducers (a function
-pickles by reference); ``register_reducer`` takes its type out."""
+pickles by reference); ``register_reducer`` takes its type out, ``register_plain`` adds
+one."""
 _PLAIN_ITEMS = 8
-_PLAIN_DEPTH = 2
+_PLAIN_DEPTH = 3
+"""Containers a plain value nests, at most: ``(args, kwargs)`` holding an id pair, as
+in ``((rref_id,), {})``."""
 _NONE: Final = pickle.dumps(None, protocol=5)  # what most replies of a procedure are
 
 
@@ -77,6 +80,15 @@ def register_reducer(cls: type, reducer: Callable[[Any], Any]) -> None:
     ``(callable, args)`` pair, or ``NotImplemented`` for the default)."""
     _REDUCERS[cls] = reducer
     _PLAIN_TYPES.discard(cls)
+
+
+def register_plain(cls: type) -> None:
+    """Let instances of exactly ``cls`` travel in plain values (see :func:`dumps_plain`):
+    for a small type of an upper layer that pickles by its own ``__reduce__`` into plain
+    values, whatever pickler meets it (no reducer is registered for it)."""
+    if cls in _REDUCERS:
+        raise ValueError(f"{cls.__qualname__} has a reducer: it is not plain")
+    _PLAIN_TYPES.add(cls)
 
 
 def reduce_tensor(obj: Any) -> Any:

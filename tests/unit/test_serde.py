@@ -23,6 +23,7 @@ from asyncrpc.serde import (
     dumps_plain,
     loads,
     pickler,
+    register_plain,
     register_reducer,
 )
 
@@ -785,6 +786,7 @@ PLAIN_VALUES = [
     [1, [2, 3], {"a": 4}],
     {"nested": {"a": 1}},
     [[()], {}],  # empty containers are plain at any depth
+    (((3, 17),), {}),  # a call's arguments holding an id pair (an RRef's, say)
 ]
 
 
@@ -815,7 +817,7 @@ NOT_PLAIN: dict[str, Callable[[], Any]] = {
     "str subclass": lambda: _Name("x"),
     "dict with int keys": lambda: {1: "a"},
     "too long": lambda: (1, 2, 3, 4, 5, 6, 7, 8, 9),
-    "too deep": lambda: [[[1]]],
+    "too deep": lambda: [[[[1]]]],
     "tensor argument": lambda: (_module_function, (torch.ones(1),), {}),
     "tensor keyword": lambda: (_module_function, (), {"t": torch.ones(1)}),
 }
@@ -841,6 +843,40 @@ def test_a_type_given_a_reducer_leaves_the_plain_path(monkeypatch: pytest.Monkey
     register_reducer(complex, lambda z: (complex, (z.real, -z.imag)))
     assert dumps_plain(2j) is None
     assert loads(dumps(2j)[0]) == -2j
+
+
+class _Token:
+    """A small type of an upper layer that pickles into plain values by itself."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __reduce__(self) -> tuple[Any, tuple[int]]:
+        return _Token, (self.n,)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Token) and other.n == self.n
+
+    def __hash__(self) -> int:
+        return hash(self.n)
+
+
+def test_a_type_registered_plain_travels_on_the_plain_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pickler, "_PLAIN_TYPES", set(pickler._PLAIN_TYPES))
+    call = (_module_function, (_Token(3), 1), {})
+    assert dumps_plain(call) is None
+    register_plain(_Token)
+    payload = dumps_plain(call)
+    assert payload is not None
+    assert loads(payload) == call
+    assert (payload, []) == dumps(call)  # what the reducers' path makes of it too
+
+
+def test_a_type_with_a_reducer_cannot_be_registered_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pickler, "_REDUCERS", dict(pickler._REDUCERS))
+    register_reducer(_Token, lambda t: (_Token, (t.n,)))
+    with pytest.raises(ValueError, match="has a reducer"):
+        register_plain(_Token)
 
 
 def test_a_value_of_many_small_tensors_keeps_a_bounded_number_of_buffers() -> None:
