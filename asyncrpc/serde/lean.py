@@ -20,8 +20,9 @@ and buffers first, and its unpickler's ``persistent_load`` is the list's
 pickle's memo would have it.  A value that is one tensor or array, the commonest reply,
 skips the pickler at both ends: its payload is the constant ``_FIRST``.
 
-:func:`dumps_lean` gives up (None) on a value of more than ``ENTRIES_MAX`` tensors and
-arrays, and on anything a reducer must see: a registered type
+:func:`dumps_lean` gives up (None) on a value whose entries would not fit in a frame's
+header (more than ``ENTRIES_MAX`` tensors and arrays, or more than ``ENTRIES_ROOM`` bytes
+of entries), and on anything a reducer must see: a registered type
 (an RRef, a Parameter), a tensor of another kind (CUDA, sparse, quantized, a subclass),
 and a tensor that requires grad (distributed autograd records those as they are
 pickled; a plain tensor's ``requires_grad`` travels in ``dumps``' meta).  The message
@@ -36,6 +37,7 @@ import pickle
 import threading
 from typing import Any, Final
 
+import msgpack
 import numpy as np
 import torch
 
@@ -43,15 +45,23 @@ from asyncrpc.errors import SerializationError
 from asyncrpc.serde.arrays import load_ndarray
 from asyncrpc.serde.pickler import _PLAIN_TYPES, _REDUCERS, ReusablePickler
 from asyncrpc.serde.tensors import TensorMeta, dump_array, dump_tensor, load_tensor
+from asyncrpc.wire.codec import MAX_HEADER_SIZE
 
 Entry = tuple[str, str, tuple[int, ...], tuple[int, ...]]
 """(``"t"`` for a tensor or ``"a"`` for an array, dtype name, shape, strides)"""
 
 _CONTAINERS = frozenset({tuple, list, dict})
-ENTRIES_MAX: Final = 512
-"""Tensors and arrays a lean message carries, at most: each entry takes ~20 bytes of its
-frame's header (64 KiB in all).  A value with more takes ``dumps``, whose payload
-carries their metadata."""
+ENTRIES_MAX: Final = 2048
+"""Tensors and arrays a lean message carries, at most: their entries go to its frame's
+header, which holds 64 KiB, and an entry takes 20 to 40 bytes for the tensors of a
+model (its state dict, its gradients), more for many dimensions.  A value with more,
+or whose entries would take more than ``ENTRIES_ROOM`` (``_fit``), takes ``dumps``,
+whose payload carries their metadata."""
+ENTRIES_ROOM: Final = MAX_HEADER_SIZE - 8 * 1024
+"""Bytes of a frame's header the entries and buffer descriptors may take (the rest is
+for the message's other header fields: its function's name, what it carries)."""
+_UNCHECKED: Final = 16
+"""Entries that always fit: ~1.2 KiB each at most (64 dimensions, 9-byte sizes)."""
 _local = threading.local()
 
 
@@ -83,7 +93,7 @@ class _LeanPickler(pickle.Pickler):
         known = self.seen.get(id(value))
         if known is not None:
             return known
-        if len(self.entries) == ENTRIES_MAX:  # the header would grow too long
+        if len(self.entries) == ENTRIES_MAX:  # the header would grow too long (see _fit)
             raise _GiveUpError
         entry, view = _split(value, kind)
         index = self.seen[id(value)] = len(self.entries)
@@ -127,12 +137,22 @@ class _Reusable(ReusablePickler):
         self.busy = True
         try:
             pickler.dump(value)
+            if not _fit(pickler.entries, pickler.buffers):
+                return None
             return self.stream.getvalue(), pickler.entries, pickler.buffers
         except Exception:  # _GiveUpError, or what ``dumps`` will say better (a lambda, say)
             return None
         finally:
             pickler.reset()
             self.rewind()
+
+
+def _fit(entries: list[Entry], buffers: list[memoryview]) -> bool:
+    """Whether ``entries`` and their buffers' descriptors (9 bytes each at most) fit in
+    a frame's header with room to spare (``ENTRIES_ROOM``)."""
+    if len(entries) <= _UNCHECKED:
+        return True
+    return len(msgpack.packb(entries)) + 9 * len(buffers) <= ENTRIES_ROOM
 
 
 def dumps_lean(value: Any) -> tuple[bytes, list[Entry], list[memoryview]] | None:

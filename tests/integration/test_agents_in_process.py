@@ -112,6 +112,7 @@ async def test_a_message_whose_header_cannot_fit_fails_its_call_by_name(
     link carries on."""
     monkeypatch.setattr("asyncrpc.serde.pickler.OUT_OF_BAND_MAX", 10**9)
     monkeypatch.setattr("asyncrpc.serde.lean.ENTRIES_MAX", 10**9)
+    monkeypatch.setattr("asyncrpc.serde.lean._fit", lambda entries, buffers: True)
     a, _ = pair
     many = [torch.full((2,), 1.0) for _ in range(20_000)]
     with pytest.raises(LocalProtocolError) as request:
@@ -125,6 +126,19 @@ async def test_a_message_whose_header_cannot_fit_fails_its_call_by_name(
     with pytest.raises(LocalProtocolError, match=r"reply of .*twenty_thousand_tensors from "):
         await a.rpc_async("b", twenty_thousand_tensors, (None,))  # (b's error, raised here)
     assert await a.rpc_async("b", operator.add, (1, 2)) == 3
+
+
+async def test_tensors_of_many_dimensions_leave_the_lean_path_before_the_header_is_full(
+    pair: tuple[RpcAgent, RpcAgent],
+) -> None:
+    """500 tensors of 60 dimensions: ~130 bytes of header each on the lean path, 69 KB
+    in all, more than a frame's header holds.  Their call takes ``dumps`` (their
+    metadata in its payload) and succeeds, both ways."""
+    a, _ = pair
+    wide = [torch.full((1,) * 60, float(i)) for i in range(500)]
+    got = await a.rpc_async("b", each_plus_one, (wide,))
+    assert len(got) == 500
+    assert all(t.shape == (1,) * 60 and t.item() == i + 1 for i, t in enumerate(got))
 
 
 async def test_cancelling_a_calls_future_cancels_the_call(

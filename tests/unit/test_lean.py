@@ -12,7 +12,8 @@ import torch
 
 from asyncrpc.errors import SerializationError
 from asyncrpc.serde import allocate_tensor_storage, dumps, loads, pickler, register_reducer
-from asyncrpc.serde.lean import ENTRIES_MAX, dumps_lean, loads_lean
+from asyncrpc.serde.lean import ENTRIES_MAX, ENTRIES_ROOM, _fit, dumps_lean, loads_lean
+from asyncrpc.wire.codec import MAX_HEADER_SIZE
 
 
 def receive(buffers: list[memoryview]) -> list[Any]:
@@ -187,12 +188,38 @@ def test_a_garbage_payload_is_refused_with_a_serialization_error() -> None:
         )
 
 
+def test_a_model_sized_value_of_tensors_travels_lean() -> None:
+    """A state dict or gradient list of a thousand tensors fits a frame's header."""
+    model = {f"layer{i}.weight": torch.full((16, 16, 3, 3), float(i)) for i in range(1000)}
+    dumped = dumps_lean(model)
+    assert dumped is not None
+    payload, entries, buffers = dumped
+    assert len(entries) == 1000
+    got = loads_lean(payload, entries, receive(buffers))
+    assert list(got) == list(model)
+    for name, tensor in model.items():
+        assert_same_tensor(got[name], tensor)
+
+
 def test_more_tensors_than_a_header_has_room_for_are_left_to_dumps() -> None:
-    """Each entry takes ~20 bytes of the frame's header: a value of more than
-    ``ENTRIES_MAX`` tensors and arrays takes ``dumps`` (their metadata in its payload)."""
+    """Past ``ENTRIES_MAX`` tensors and arrays, or ``ENTRIES_ROOM`` bytes of entries (a
+    few hundred tensors of many dimensions), a value takes ``dumps`` (their metadata in
+    its payload)."""
     most = [torch.full((2,), float(i)) for i in range(ENTRIES_MAX)]
     assert dumps_lean(most) is not None
     assert dumps_lean([*most, np.zeros(2)]) is None
+    wide = [torch.ones((1,) * 60) for _ in range(600)]  # ~130 bytes an entry
+    assert dumps_lean(wide[:300]) is not None
+    assert dumps_lean(wide) is None
+
+
+def test_entries_that_fit_leave_room_for_the_rest_of_the_header() -> None:
+    entries = [("t", "float32", (1,) * 60, (1,) * 60)] * 600
+    assert len(msgpack.packb(entries)) > ENTRIES_ROOM
+    for count in (1, 16, 17, 100, 400, 600):
+        packed = len(msgpack.packb(entries[:count])) + 9 * count
+        assert _fit(entries[:count], [memoryview(b"")] * count) == (packed <= ENTRIES_ROOM)
+    assert ENTRIES_ROOM < MAX_HEADER_SIZE
 
 
 class _PickledWhilePickling:
