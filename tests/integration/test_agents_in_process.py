@@ -112,7 +112,7 @@ async def test_a_message_whose_header_cannot_fit_fails_its_call_by_name(
     link carries on."""
     monkeypatch.setattr("asyncrpc.serde.pickler.OUT_OF_BAND_MAX", 10**9)
     monkeypatch.setattr("asyncrpc.serde.lean.ENTRIES_MAX", 10**9)
-    monkeypatch.setattr("asyncrpc.serde.lean._fit", lambda entries, buffers: True)
+    monkeypatch.setattr("asyncrpc.serde.lean._fit", lambda entries, widest: True)
     a, _ = pair
     many = [torch.full((2,), 1.0) for _ in range(20_000)]
     with pytest.raises(LocalProtocolError) as request:

@@ -12,7 +12,15 @@ import torch
 
 from asyncrpc.errors import SerializationError
 from asyncrpc.serde import allocate_tensor_storage, dumps, loads, pickler, register_reducer
-from asyncrpc.serde.lean import ENTRIES_MAX, ENTRIES_ROOM, _fit, dumps_lean, loads_lean
+from asyncrpc.serde.lean import (
+    _DIMENSION_BYTES,
+    _ENTRY_BYTES,
+    ENTRIES_MAX,
+    ENTRIES_ROOM,
+    _fit,
+    dumps_lean,
+    loads_lean,
+)
 from asyncrpc.wire.codec import MAX_HEADER_SIZE
 
 
@@ -214,11 +222,14 @@ def test_more_tensors_than_a_header_has_room_for_are_left_to_dumps() -> None:
 
 
 def test_entries_that_fit_leave_room_for_the_rest_of_the_header() -> None:
-    entries = [("t", "float32", (1,) * 60, (1,) * 60)] * 600
-    assert len(msgpack.packb(entries)) > ENTRIES_ROOM
-    for count in (1, 16, 17, 100, 400, 600):
-        packed = len(msgpack.packb(entries[:count])) + 9 * count
-        assert _fit(entries[:count], [memoryview(b"")] * count) == (packed <= ENTRIES_ROOM)
+    narrow = ("t", "float8_e4m3fnuz", (2**40,) * 4, (2**40,) * 4)  # as long as 4-d ones get
+    wide = ("t", "float32", (1,) * 60, (1,) * 60)
+    for entry in (narrow, wide):
+        ndim = len(entry[2])
+        assert len(msgpack.packb(entry)) <= _ENTRY_BYTES + _DIMENSION_BYTES * ndim
+        for count in (1, 16, 100, 400, 500, 600, 1000):
+            packed = len(msgpack.packb([entry] * count)) + 9 * count
+            assert _fit([entry] * count, ndim) == (packed <= ENTRIES_ROOM)
     assert ENTRIES_ROOM < MAX_HEADER_SIZE
 
 
