@@ -26,6 +26,7 @@ from _common import (
     config,
     make_batch,
     make_stage1,
+    make_state_dict,
     make_tensor,
     ns_to_us,
     parse_worker_args,
@@ -53,6 +54,13 @@ async def call(func: Any, *args: Any) -> Any:
 async def latency_us(cfg: Config, func: Any) -> Results:
     """Mean per-call time of sequential awaited calls of ``func``."""
     return await sequential_us(cfg, lambda: call(func))
+
+
+async def state_dict_push_us(cfg: Config) -> Results:
+    """A model's state dict (``make_state_dict``) sent, its tensor count answered."""
+    state = make_state_dict()
+    check_value(len(state), await call(fns.tensor_count, state))
+    return await sequential_us(cfg, lambda: call(fns.tensor_count, state), cfg.step_counts)
 
 
 async def remote_to_here() -> int:
@@ -189,6 +197,7 @@ async def calls(cfg: Config, job: WorkerArgs) -> Results:
         "remote_to_here_us": await bounded(cfg, remote_to_here_us(cfg)),
         "rref_method_us": await bounded(cfg, rref_method_us(cfg)),
         "model_parallel_step_us": await bounded(cfg, model_parallel_step_us(cfg)),
+        "state_dict_push_us": await bounded(cfg, state_dict_push_us(cfg)),
         "pipelined_calls_per_s": await bounded(cfg, pipelined_rate(cfg)),
         "noop_after_burst_us": await bounded(cfg, latency_us(cfg, fns.noop)),
         "memory": await bounded(cfg, memory_probe(cfg)),

@@ -297,6 +297,23 @@ def check_value(expected: object, received: object) -> None:
         raise AssertionError(f"expected {expected!r} back, got {received!r}")
 
 
+STATE_DICT_BLOCKS, STATE_DICT_CHANNELS = 50, 16
+"""The state-dict row's model: this many Conv2d(C, C, 3) + BatchNorm2d(C) blocks, C this."""
+
+
+def make_state_dict() -> dict[str, torch.Tensor]:
+    """A model's state dict, as a parameter server is pushed gradients or a trainer
+    pulls weights: 300 tensors (conv weights of 9 KB, batch-norm vectors of 64 bytes,
+    0-d step counters), 0.5 MB in all."""
+    torch.manual_seed(0)
+    c = STATE_DICT_CHANNELS
+    layers: list[torch.nn.Module] = []
+    for _ in range(STATE_DICT_BLOCKS):
+        layers += [torch.nn.Conv2d(c, c, 3, bias=False), torch.nn.BatchNorm2d(c)]
+    state: dict[str, torch.Tensor] = torch.nn.Sequential(*layers).state_dict()
+    return state  # (an OrderedDict, as users send it)
+
+
 def make_stage1() -> torch.nn.Module:
     """Stage 1 of the model-parallel MLP, kept on the driver (stage 2 is ``Stage2``)."""
     torch.manual_seed(0)

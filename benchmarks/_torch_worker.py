@@ -28,6 +28,7 @@ from _common import (
     config,
     make_batch,
     make_stage1,
+    make_state_dict,
     make_tensor,
     ns_to_us,
     parse_worker_args,
@@ -64,6 +65,15 @@ def sequential_us(
 def latency_us(cfg: Config, func: Any) -> Results:
     """Mean per-call time of sequential ``rpc_sync`` calls of ``func``."""
     return sequential_us(cfg, lambda: rpc.rpc_sync(CALLEE, func))
+
+
+def state_dict_push_us(cfg: Config) -> Results:
+    """A model's state dict (``make_state_dict``) sent, its tensor count answered."""
+    state = make_state_dict()
+    check_value(len(state), rpc.rpc_sync(CALLEE, fns.tensor_count, args=(state,)))
+    return sequential_us(
+        cfg, lambda: rpc.rpc_sync(CALLEE, fns.tensor_count, args=(state,)), cfg.step_counts
+    )
 
 
 def remote_to_here() -> int:
@@ -192,6 +202,7 @@ def calls(cfg: Config, job: WorkerArgs) -> Results:
         "remote_to_here_us": remote_to_here_us(cfg),
         "rref_method_us": rref_method_us(cfg),
         "model_parallel_step_us": model_parallel_step_us(cfg),
+        "state_dict_push_us": state_dict_push_us(cfg),
         "pipelined_calls_per_s": pipelined_rate(cfg),
         "noop_after_burst_us": latency_us(cfg, fns.noop),
         "memory": memory_probe(cfg),

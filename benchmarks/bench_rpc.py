@@ -42,6 +42,11 @@ One pair per round runs rows 1 to 8 (``--workloads calls``):
    ``DistributedOptimizer`` over both stages' parameter RRefs (asyncrpc's, or
    ``torch.distributed.optim``'s), then leaves the context.  Sequential steps,
    timed like row 1 (smaller counts); the loss must fall over the run.
+5b. state dict push: a model's state dict (50 blocks of Conv2d(16, 16, 3) and
+   BatchNorm2d(16): 300 tensors, 0.5 MB, an OrderedDict as ``state_dict()`` gives
+   it) sent to a plain function that answers how many tensors it got, as a
+   parameter server is pushed gradients; timed like row 5.  No target: the row
+   shows the cost of many tensors in one message, per tensor on both sides.
 6. pipelined no-op: ``noop()`` with 256 calls in flight at all times; calls per
    second over 20,000 calls.  Then row 1 again, in the same pair: the no-op round
    trip after that burst (which grows a callee's thread pool), as a worker's
@@ -609,6 +614,14 @@ def calls_rows(cfg: Config, raw: Raw, side: str = "asyncrpc") -> list[Row]:
         ("remote + to_here round trip", "remote_to_here_us", None, us, REMOTE, speedup),
         ("RRef proxy method call round trip", "rref_method_us", None, us, RREF_METHOD, speedup),
         ("model-parallel step", "model_parallel_step_us", None, us, STEP, speedup),
+        (
+            "state dict push (300 tensors, 0.5 MB)",
+            "state_dict_push_us",
+            None,
+            us,
+            None,
+            speedup,
+        ),
         (
             "model-parallel step's compute alone (no RPC)",
             "step_compute_us",

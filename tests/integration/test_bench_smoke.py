@@ -25,6 +25,7 @@ def test_bench_quick_mode_runs_both_frameworks(tmp_path: Path) -> None:
         "RRef proxy method call round trip",
         "model-parallel step",
         "model-parallel step's compute alone",
+        "state dict push (300 tensors, 0.5 MB)",
         "pipelined no-op",
         "no-op round trip, after 256 in flight",
         "tensor echo 4 MB",
