@@ -51,6 +51,7 @@ from asyncrpc.serde.tensors import (
     dump_array,
     dump_tensor,
     load_tensor,
+    strided_array,
 )
 from asyncrpc.wire.codec import MAX_HEADER_SIZE
 
@@ -230,9 +231,8 @@ def _rebuilt(entry: Any, buffer: Any) -> Any:
     np_dtype = _NUMPY_DTYPES.get(dtype)
     if np_dtype is not None and type(buffer) is np.ndarray and 0 not in shape:
         # Memory this process received into (a small buffer's own allocation): the array
-        # and the tensor over it are made here directly (2.2 -> 1.5 µs a tensor, hot).
-        itemsize = np_dtype.itemsize
-        array = np.ndarray(shape, np_dtype, buffer, 0, [step * itemsize for step in strides])
+        # and the tensor over it are made here directly (2.2 -> 1.8 µs a tensor, hot).
+        array = strided_array(buffer, np_dtype, shape, strides)
         return array if kind == "a" else torch.from_numpy(array)
     meta: TensorMeta = (dtype, tuple(shape), tuple(strides), False, "cpu", False)
     if kind == "a":

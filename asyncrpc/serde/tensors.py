@@ -221,8 +221,16 @@ def numpy_view(meta: TensorMeta, buffer: Any) -> np.ndarray[Any, Any] | None:
     array = buffer if type(buffer) is np.ndarray else np.frombuffer(buffer, np.uint8)
     if not array.flags.writeable:
         return None
-    strides = [step * dtype.itemsize for step in stride]
-    return np.ndarray(shape, dtype, array, 0, strides)
+    return strided_array(array, dtype, shape, stride)
+
+
+def strided_array(
+    buffer: np.ndarray[Any, Any], dtype: np.dtype[Any], shape: Any, stride: Any
+) -> np.ndarray[Any, Any]:
+    """The array of ``dtype``, ``shape`` and ``stride`` (in elements) over ``buffer``, a
+    writable byte array, from its start (numpy checks that it fits)."""
+    itemsize = dtype.itemsize
+    return np.ndarray(shape, dtype, buffer, 0, [step * itemsize for step in stride])
 
 
 def _as_uint8(buffer: Any) -> torch.Tensor:
